@@ -1,3 +1,19 @@
-"""keras_dp_lm: differentially private vocabularies, training and decoding for Keras 3."""
+"""keras_dp_lm: differentially private vocabularies, training and decoding for Keras 3.
+
+Importing the package patches ``keras.Model.compile`` so that compiling with a DP
+optimizer binds the DP train step: ``model.fit`` then trains privately.
+"""
 
 __version__ = "0.1.0"
+
+from keras_dp_lm import training as _training
+from keras_dp_lm.losses import per_example_losses
+from keras_dp_lm.optimizers import DPAdam
+from keras_dp_lm.optimizers import DPAdamW
+from keras_dp_lm.optimizers import DPOptimizerMixin
+from keras_dp_lm.optimizers import DPSGD
+from keras_dp_lm.optimizers import is_dp_optimizer
+from keras_dp_lm.optimizers import make_dp_optimizer
+from keras_dp_lm.training import make_private
+
+_training.install()

@@ -1,0 +1,128 @@
+"""Per-example clipping: the exact reference, and the dispatch to fast rules.
+
+Every method returns a :class:`ClippedSum`: the sum over the batch of each
+example's gradient scaled by ``min(1, C / ||g_i||)``, with no noise and no
+division, plus the per-example norms and losses.
+
+``exact_clipped_sum`` computes each example's full gradient. It vectorises over
+the batch with ``tf.vectorized_map`` when oneDNN is disabled
+(``TF_ENABLE_ONEDNN_OPTS=0`` set before TensorFlow is imported); with oneDNN on,
+``vectorized_map`` over attention layers crashes TensorFlow 2.21 (double free), so
+it loops over examples with ``tf.while_loop`` instead: the same numbers, at
+batch-of-one speed and with the memory of one example's gradient.
+"""
+
+import collections
+import os
+
+import tensorflow as tf
+from keras.src import tree
+
+ClippedSum = collections.namedtuple("ClippedSum", ["grads", "norms", "losses", "outputs"])
+ClippedSum.__doc__ = """Result of per-example clipping.
+
+grads: list aligned with the variables: sum_i clip(g_i) (no noise, not divided).
+norms: [B] per-example gradient L2 norms before clipping.
+losses: [B] per-example losses.
+outputs: model outputs of a batched forward pass, or None when none was made.
+"""
+
+
+def onednn_enabled():
+    """Whether TensorFlow's oneDNN kernels are on (decided at TF import)."""
+    return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() not in ("0", "false", "False")
+
+
+def clip_factors(norms, l2_norm_clip):
+    """``min(1, C / norm)`` per example; 1 for a zero gradient."""
+    clip = tf.cast(l2_norm_clip, norms.dtype)
+    return clip / tf.maximum(norms, clip)
+
+
+def batch_size_of(data):
+    """Leading dimension of the first tensor in a nested structure."""
+    first = next(t for t in tree.flatten(data) if t is not None)
+    static = first.shape[0]
+    return static if static is not None else tf.shape(first)[0]
+
+
+def _dense(grad, variable):
+    if grad is None:
+        return tf.zeros_like(variable)
+    return tf.convert_to_tensor(grad)
+
+
+def _global_norm(grads):
+    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]))
+
+
+def _one_example_gradient(loss_fn, example, variables):
+    with tf.GradientTape() as tape:
+        loss = tf.reshape(loss_fn(example), [])
+    grads = tape.gradient(loss, variables)
+    return loss, [_dense(g, v) for g, v in zip(grads, variables)]
+
+
+def _slice(data, index):
+    return tree.map_structure(lambda t: None if t is None else t[index:index + 1], data)
+
+
+def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None):
+    """Exact per-example clipping by computing every example's gradient.
+
+    Args:
+        loss_fn: ``loss_fn(batch) -> [b]`` per-example losses for any slice of
+            ``data`` (forward pass in training mode).
+        data: nested structure of tensors with a leading batch dimension.
+        variables: the trainable variables to differentiate.
+        l2_norm_clip: the clipping bound C.
+        vectorize: ``True`` uses ``tf.vectorized_map`` (needs oneDNN off for
+            attention layers), ``False`` a ``tf.while_loop``; ``None`` picks
+            vectorisation exactly when oneDNN is off.
+    """
+    variables = list(variables)
+    data = tree.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t), data)
+    if vectorize is None:
+        vectorize = not onednn_enabled()
+    if vectorize:
+        def per_example(example):
+            example = tree.map_structure(lambda t: None if t is None else t[None], example)
+            loss, grads = _one_example_gradient(loss_fn, example, variables)
+            return loss, _global_norm(grads), grads
+
+        losses, norms, per_example_grads = tf.vectorized_map(per_example, data)
+        factors = clip_factors(norms, l2_norm_clip)
+        grads = [tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)
+                 for g in per_example_grads]
+        return ClippedSum(grads, norms, losses, None)
+
+    size = batch_size_of(data)
+
+    def body(i, sums, losses, norms):
+        loss, grads = _one_example_gradient(loss_fn, _slice(data, i), variables)
+        norm = _global_norm(grads)
+        factor = clip_factors(norm, l2_norm_clip)
+        sums = [s + tf.cast(factor, g.dtype) * g for s, g in zip(sums, grads)]
+        return i + 1, sums, losses.write(i, loss), norms.write(i, norm)
+
+    sums = [tf.zeros_like(v) for v in variables]
+    losses = tf.TensorArray(tf.float32, size=size, element_shape=[])
+    norms = tf.TensorArray(tf.float32, size=size, element_shape=[])
+    _, sums, losses, norms = tf.while_loop(
+        lambda i, *_: i < size, body, (tf.constant(0), sums, losses, norms),
+        parallel_iterations=1)
+    return ClippedSum(sums, norms.stack(), losses.stack(), None)
+
+
+def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto"):
+    """Dispatch to the exact or fast per-example clipping.
+
+    ``method``: ``"exact"`` always computes full per-example gradients;
+    ``"fast"`` uses per-layer rules and refuses uncovered layers; ``"auto"`` uses
+    per-layer rules where they exist and exact gradients elsewhere.
+    """
+    variables = model.trainable_variables
+    if method == "fast":
+        raise NotImplementedError(
+            "clipping='fast' is not available yet; use 'exact' or 'auto'.")
+    return exact_clipped_sum(loss_fn, data, variables, l2_norm_clip)
