@@ -1,0 +1,205 @@
+"""The DP step: per-example losses, exact clipping against a naive loop, accumulation."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+import keras_hub
+
+import keras_dp_lm as kdp
+from keras_dp_lm.losses import per_example_losses
+from keras_dp_lm.training import dp_clipped_gradient
+from reference import max_relative_error, naive_clipped_sum
+
+SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _compile(model, loss, clip=1.0, accumulation=1):
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=clip, noise_multiplier=0.0,
+                                      gradient_accumulation_steps=accumulation,
+                                      clipping="exact"),
+                  loss=loss)
+    return model
+
+
+def _clipped(model, x, y, sw):
+    @tf.function
+    def run():
+        return dp_clipped_gradient(model, (x, y, sw))
+    grads, losses, norms, _ = run()
+    return [g.numpy() for g in grads], losses.numpy(), norms.numpy()
+
+
+def _dense_model():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden))
+
+
+def _embedding_model():
+    return keras.Sequential([keras.Input((7,), dtype="int32"),
+                             keras.layers.Embedding(20, 8),
+                             keras.layers.GlobalAveragePooling1D(),
+                             keras.layers.Dense(3)])
+
+
+class _AttentionModel(keras.Model):  # subclassed model
+    def __init__(self):
+        super().__init__()
+        self.embed = keras.layers.Embedding(30, 16)
+        self.attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+        self.norm = keras.layers.LayerNormalization()
+        self.out = keras.layers.EinsumDense("btd,dc->btc", output_shape=(None, 30))
+
+    def call(self, tokens):
+        h = self.embed(tokens)
+        h = self.norm(h + self.attention(h, h))
+        return self.out(h)
+
+
+def _tiny_gpt2():
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=12, dropout=0.0)
+    return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+
+
+def _padded_tokens(batch, length, vocab, rng):
+    tokens = rng.integers(1, vocab, (batch, length)).astype("int32")
+    lengths = rng.integers(3, length + 1, batch)
+    mask = np.arange(length)[None, :] < lengths[:, None]
+    return tokens * mask, mask
+
+
+CASES = ["dense", "embedding", "attention", "gpt2"]
+
+
+def _case(name, rng):
+    if name == "dense":
+        model = _dense_model()
+        x = rng.normal(size=(6, 6)).astype("float32")
+        y = rng.integers(0, 3, 6)
+        sw = rng.uniform(0.5, 2.0, 6).astype("float32")
+        return model, SCCE, x, y, sw, 0.5
+    if name == "embedding":
+        model = _embedding_model()
+        x = rng.integers(0, 20, (6, 7)).astype("int32")
+        return model, SCCE, x, rng.integers(0, 3, 6), None, 0.05
+    if name == "attention":
+        model = _AttentionModel()
+        x = rng.integers(0, 30, (5, 6)).astype("int32")
+        y = rng.integers(0, 30, (5, 6))
+        sw = (rng.uniform(size=(5, 6)) > 0.3).astype("float32")
+        return model, SCCE, x, y, sw, 0.3
+    model = _tiny_gpt2()
+    tokens, mask = _padded_tokens(5, 12, 50, rng)
+    x = {"token_ids": tokens[:, :-1], "padding_mask": mask[:, :-1]}
+    return model, SCCE, x, tokens[:, 1:], mask[:, 1:].astype("float32"), 0.5
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_exact_clipping_matches_naive_loop(name):
+    rng = np.random.default_rng(0)
+    model, loss, x, y, sw, clip = _case(name, rng)
+    _compile(model, loss, clip=clip)
+    model(x)
+    expected, expected_norms, expected_losses = naive_clipped_sum(model, x, y, sw, clip)
+    grads, losses, norms = _clipped(model, x, y, sw)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(norms, expected_norms, rtol=1e-5)
+    assert (expected_norms > clip).any(), "the case must exercise clipping"
+    assert max_relative_error(grads, expected) < 1e-5
+
+
+def test_per_example_losses_are_batch_of_one_losses_with_mask_normalisation():
+    """A batch-wide valid-token count would make one example's loss depend on others."""
+    rng = np.random.default_rng(1)
+    model = _AttentionModel()
+    x = rng.integers(0, 30, (4, 6)).astype("int32")
+    y = rng.integers(0, 30, (4, 6))
+    sw = (rng.uniform(size=(4, 6)) > 0.5).astype("float32")
+    for reduction in ["sum_over_batch_size", "sum", "mean_with_sample_weight"]:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+        model.compile(loss=loss)
+        pred = model(x)
+        batched = per_example_losses(model, x, y, pred, sw).numpy()
+        singles = [float(model.compute_loss(x=x[i:i + 1], y=y[i:i + 1], y_pred=pred[i:i + 1],
+                                            sample_weight=sw[i:i + 1])) for i in range(4)]
+        np.testing.assert_allclose(batched, singles, rtol=1e-6, err_msg=reduction)
+        # Changing example 0's weights leaves example 1's loss untouched.
+        sw2 = sw.copy()
+        sw2[0] = 1.0
+        other = per_example_losses(model, x, y, pred, sw2).numpy()
+        np.testing.assert_allclose(other[1:], batched[1:], rtol=1e-7)
+
+
+def test_weight_regularization_is_part_of_every_example_loss():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+        2, kernel_regularizer=keras.regularizers.L2(0.1))])
+    model.compile(loss="mse")
+    x, y = np.ones((3, 3), "float32"), np.zeros((3, 2), "float32")
+    pred = model(x)
+    losses = per_example_losses(model, x, y, pred).numpy()
+    single = float(model.compute_loss(x=x[:1], y=y[:1], y_pred=pred[:1]))
+    np.testing.assert_allclose(losses, [single] * 3, rtol=1e-6)
+
+
+def test_accumulation_equals_one_big_batch_at_zero_noise():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(8, 6)).astype("float32")
+    y = rng.integers(0, 3, 8)
+    results = []
+    for k in (1, 4):
+        keras.utils.set_random_seed(7)
+        model = _compile(_dense_model(), SCCE, clip=0.5, accumulation=k)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        results.append([w.numpy() for w in model.trainable_variables])
+        assert int(model.optimizer.dp_updates.numpy()) == 1
+        assert float(model.optimizer.dp_last_batch_size.numpy()) == 8.0
+    assert max_relative_error(results[1], results[0]) < 1e-5
+
+
+def test_accumulation_rejects_indivisible_batch():
+    model = _compile(_dense_model(), SCCE, accumulation=3)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=3"):
+        model.fit(np.ones((8, 6), "float32"), np.zeros(8), batch_size=8, verbose=0)
+
+
+def test_vectorized_exact_path_matches_loop_with_onednn_off(tmp_path):
+    """The vectorized reference is used when oneDNN is off; it must agree exactly."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "vectorized.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, tensorflow as tf, keras, keras_hub
+        from keras_dp_lm.clipping import exact_clipped_sum
+        from keras_dp_lm.losses import per_example_losses
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(vocabulary_size=50, num_layers=1,
+            num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=8, dropout=0.0)
+        lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+        lm.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(0)
+        tok = rng.integers(1, 50, (4, 8)).astype("int32")
+        x = {"token_ids": tok[:, :-1], "padding_mask": np.ones((4, 7), bool)}
+        data = (x, tok[:, 1:], np.ones((4, 7), "float32"))
+        def loss_fn(part):
+            px, py, psw = part
+            return per_example_losses(lm, px, py, lm(px, training=True), psw)
+        out = []
+        for vectorize in (True, False):
+            r = tf.function(lambda: exact_clipped_sum(loss_fn, data, lm.trainable_variables, 0.5,
+                                                      vectorize=vectorize))()
+            out.append([g.numpy() for g in r.grads])
+        diff = sum(float(np.sum((a - b) ** 2)) for a, b in zip(*out))
+        err = np.sqrt(diff / sum(float(np.sum(b ** 2)) for b in out[1]))
+        print("ERR", err)
+    """))
+    env = dict(__import__("os").environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    err = float(proc.stdout.split("ERR")[1])
+    assert err < 1e-5
