@@ -64,7 +64,10 @@ def _one_example_gradient(loss_fn, example, variables):
 
 
 def _slice(data, index):
-    return tree.map_structure(lambda t: None if t is None else t[index:index + 1], data)
+    # gather + expand_dims keeps a static [1, ...] shape under XLA, where a
+    # dynamic t[i:i + 1] slice does not compile.
+    return tree.map_structure(
+        lambda t: None if t is None else tf.expand_dims(tf.gather(t, index), 0), data)
 
 
 def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None):

@@ -137,7 +137,6 @@ class DPOptimizerMixin:
                 trainable=False, aggregation="only_first_replica")
         self._track_variable(self.dp_updates)
         self._track_variable(self.dp_last_batch_size)
-        self._hide_accumulation = False
 
     # ``gradient_accumulation_steps`` belongs to the DP step, never to Keras's
     # own accumulation (which breaks under MirroredStrategy, keras#20582).
@@ -145,7 +144,8 @@ class DPOptimizerMixin:
     # never runs its accumulation branch.
     @property
     def gradient_accumulation_steps(self):
-        if getattr(self, "_hide_accumulation", True):
+        guard = self.__dict__.get("_apply_guard")
+        if guard is None or getattr(guard, "hide", False):
             return None
         return getattr(self, "dp_accumulation_steps", 1)
 
@@ -187,12 +187,12 @@ class DPOptimizerMixin:
 
     @contextlib.contextmanager
     def _keras_accumulation_hidden(self):
-        previous = getattr(self, "_hide_accumulation", True)
-        self._hide_accumulation = True
+        previous = getattr(self._apply_guard, "hide", False)
+        self._apply_guard.hide = True
         try:
             yield
         finally:
-            self._hide_accumulation = previous
+            self._apply_guard.hide = previous
 
     # -- noise -------------------------------------------------------------
     def _replica_index_and_count(self):

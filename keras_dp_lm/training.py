@@ -127,8 +127,14 @@ def dp_train_step(model, data):
         # Metrics need outputs; a separate forward pass in inference mode keeps
         # them out of the per-example machinery. They are not DP.
         y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
-        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    return model.get_metrics_result()
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    else:
+        logs = model.get_metrics_result()
+    if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        # Keras 3.15 averages logs across workers with reduce(MEAN, axis=0),
+        # which fails on scalars: hand it rank-1 values, it returns scalars.
+        logs = {name: tf.reshape(value, [1]) for name, value in logs.items()}
+    return logs
 
 
 def check_model_is_private_compatible(model):
@@ -217,7 +223,34 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         del self.__dict__["train_step"]  # recompiled without DP: unbind
 
 
+_original_symbolic_build = TensorFlowTrainer._maybe_symbolic_build
+
+
+def _symbolic_build_multi_worker_safe(self, iterator=None, data_batch=None):
+    """Keras 3.15 averages a distributed batch with ``strategy.reduce`` before
+    building, which fails under MultiWorkerMirroredStrategy in eager mode
+    ("Attempt to convert a value (PerReplica...)"), even for plain Adam. Build
+    from the first local replica's batch instead: only shapes matter."""
+    strategy = self._distribute_strategy
+    if (strategy is None or iterator is None or not isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy)):
+        return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+    for _, _, it in iterator:
+        batch = next(it)
+        data_batch = tree.map_structure(
+            lambda v: strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues) else v, batch)
+        break
+    with strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
 def install():
-    """Patch ``keras.Model.compile`` so DP optimizers bind the DP step (idempotent)."""
+    """Patch ``keras.Model.compile`` so DP optimizers bind the DP step (idempotent).
+
+    Also works around Keras's MultiWorkerMirroredStrategy build failure.
+    """
     if trainer_module.Trainer.compile is not _compile_with_dp_binding:
         trainer_module.Trainer.compile = _compile_with_dp_binding
+    if TensorFlowTrainer._maybe_symbolic_build is not _symbolic_build_multi_worker_safe:
+        TensorFlowTrainer._maybe_symbolic_build = _symbolic_build_multi_worker_safe

@@ -1,0 +1,93 @@
+"""Subprocess body for the multi-replica tests (device set-up must precede TF use).
+
+Usage: python distribute_worker.py MODE JSON_ARGS; prints one JSON line "RESULT {...}".
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import keras  # noqa: E402
+
+keras.config.disable_traceback_filtering()
+
+
+def logical_cpus(count):
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def zero_gradient_update(strategy, sigma, clip, batch, accumulation, seed):
+    import keras
+    import keras_dp_lm as kdp
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((50,)), keras.layers.Dense(2000, use_bias=False)])
+        model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=sigma,
+                                          seed=seed, gradient_accumulation_steps=accumulation),
+                      loss="mse")
+    before = model.trainable_variables[0].numpy().copy()
+    model.fit(np.ones((batch, 50), "float32"), np.zeros((batch, 2000), "float32"),
+              sample_weight=np.zeros(batch, "float32"), batch_size=batch, epochs=1,
+              verbose=0, shuffle=False)
+    delta = model.trainable_variables[0].numpy() - before
+    return {"std": float(delta.std()), "expected": sigma * clip / batch,
+            "updates": int(model.optimizer.dp_updates.numpy()),
+            "divisor": float(model.optimizer.dp_last_batch_size.numpy())}
+
+
+def tiny_training(strategy, accumulation, steps, batch, jit=False, steps_per_execution=1,
+                  optimizer="sgd"):
+    """sigma = 0 training on fixed data; returns the final weights."""
+    import keras
+    import keras_dp_lm as kdp
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * steps, 6)).astype("float32")
+    y = rng.integers(0, 3, batch * steps)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        cls = kdp.DPSGD if optimizer == "sgd" else kdp.DPAdam
+        model.compile(optimizer=cls(0.5 if optimizer == "sgd" else 0.05, l2_norm_clip=0.3,
+                                    noise_multiplier=0.0,
+                                    gradient_accumulation_steps=accumulation),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=jit, steps_per_execution=steps_per_execution)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    return {"weights": [w.numpy().tolist() for w in model.trainable_variables],
+            "updates": int(model.optimizer.dp_updates.numpy())}
+
+
+def main():
+    mode, args = sys.argv[1], json.loads(sys.argv[2])
+    if mode == "noise":
+        names = logical_cpus(2)
+        strategy = tf.distribute.MirroredStrategy(names[: args["replicas"]])
+        out = zero_gradient_update(strategy, args["sigma"], args["clip"], args["batch"],
+                                   args.get("accumulation", 1), args.get("seed", 1))
+    elif mode == "train":
+        names = logical_cpus(2)
+        strategy = tf.distribute.MirroredStrategy(names[: args["replicas"]])
+        out = tiny_training(strategy, args.get("accumulation", 1), args["steps"], args["batch"],
+                            args.get("jit", False), args.get("spe", 1))
+    elif mode == "multiworker":
+        # TF_CONFIG is set by the parent; one CPU device per worker process.
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        out = tiny_training(strategy, 1, args["steps"], args["batch"], optimizer="adam")
+        out["replicas"] = strategy.num_replicas_in_sync
+    elif mode == "single_adam":
+        out = tiny_training(tf.distribute.get_strategy(), 1, args["steps"], args["batch"],
+                            optimizer="adam")
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Multi-replica DP: noise once per logical batch, correct across replicas and accumulation.
+
+Each case runs in a subprocess because logical devices must be configured before
+TensorFlow initialises.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORKER = str(Path(__file__).with_name("distribute_worker.py"))
+
+
+def _env(**extra):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    env.update(extra)
+    return env
+
+
+def _parse(stdout, stderr):
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError("worker printed no result:\n" + stderr[-3000:])
+
+
+def run_worker(mode, timeout=600, **args):
+    proc = subprocess.run([sys.executable, WORKER, mode, json.dumps(args)],
+                          capture_output=True, text=True, env=_env(), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _parse(proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_noise_std_is_sigma_c_over_global_batch_for_any_replica_count(replicas):
+    out = run_worker("noise", replicas=replicas, sigma=1.3, clip=0.8, batch=16)
+    assert out["updates"] == 1 and out["divisor"] == 16.0
+    # Identical draws on the replicas would give sqrt(2) times the std, sigma*C
+    # per replica as well: both fail this 5% band.
+    assert abs(out["std"] / out["expected"] - 1) < 0.05
+
+
+def test_noise_std_with_accumulation_on_two_replicas():
+    out = run_worker("noise", replicas=2, sigma=0.9, clip=1.5, batch=32, accumulation=4)
+    assert out["updates"] == 1 and out["divisor"] == 32.0
+    assert abs(out["std"] / out["expected"] - 1) < 0.05
+
+
+def _max_rel(a, b):
+    a = np.concatenate([np.ravel(w) for w in a])
+    b = np.concatenate([np.ravel(w) for w in b])
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_two_replicas_and_accumulation_match_single_device_at_zero_noise():
+    single = run_worker("train", replicas=1, steps=3, batch=8)
+    mirrored = run_worker("train", replicas=2, steps=3, batch=8)
+    accumulated = run_worker("train", replicas=2, steps=3, batch=8, accumulation=2)
+    assert single["updates"] == mirrored["updates"] == accumulated["updates"] == 3
+    assert _max_rel(mirrored["weights"], single["weights"]) < 1e-5
+    assert _max_rel(accumulated["weights"], single["weights"]) < 1e-5
+
+
+def test_jit_compile_and_steps_per_execution():
+    plain = run_worker("train", replicas=1, steps=8, batch=4)
+    compiled = run_worker("train", replicas=1, steps=8, batch=4, jit=True, spe=4)
+    accumulated = run_worker("train", replicas=1, steps=8, batch=4, jit=True, spe=4,
+                             accumulation=2)
+    assert compiled["updates"] == accumulated["updates"] == 8
+    assert _max_rel(compiled["weights"], plain["weights"]) < 1e-5
+    assert _max_rel(accumulated["weights"], plain["weights"]) < 1e-5
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.slow
+def test_multi_worker_mirrored_matches_single_process():
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    args = json.dumps({"steps": 3, "batch": 8})
+    procs = []
+    for index in range(2):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        procs.append(subprocess.Popen([sys.executable, WORKER, "multiworker", args],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=_env(TF_CONFIG=tf_config)))
+    outputs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        outputs.append(_parse(stdout, stderr))
+    single = run_worker("single_adam", steps=3, batch=8)
+    for out in outputs:
+        assert out["replicas"] == 2 and out["updates"] == 3
+        assert _max_rel(out["weights"], single["weights"]) < 1e-5
