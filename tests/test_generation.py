@@ -1,0 +1,363 @@
+"""Tests for DP decoding (issue 7): DPSampler, epsilon formulas, DecodingBudget."""
+
+import math
+import random
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import stats
+
+from keras_dp_lm import generation, testing
+from keras_dp_lm.generation import (BudgetExhaustedError, DecodingBudget, DPSampler,
+                                    epsilon_per_sequence, epsilon_per_token,
+                                    lambda_for_epsilon)
+
+LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 4.0, 0.25], dtype="float32")
+N_DRAWS = 20_000
+
+
+def _softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _mixture(logits, lambda_, temperature=1.0):
+    return lambda_ * _softmax(logits / temperature) + (1 - lambda_) / len(logits)
+
+
+def _draw(sampler, logits, n=N_DRAWS, jit=False):
+    batch = tf.constant(np.tile(logits, (n, 1)))
+
+    def step(x):
+        return sampler.get_next_token(sampler.compute_probabilities(x))
+
+    if jit:
+        step = tf.function(step, jit_compile=True)
+    return np.asarray(step(batch))
+
+
+# --------------------------------------------------------------------------
+# Sampling distribution
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lambda_,temperature,jit", [
+    (0.7, 1.0, False), (0.9, 0.5, True), (0.3, 2.0, True)])
+def test_frequencies_match_mixture(lambda_, temperature, jit):
+    sampler = DPSampler(lambda_, temperature=temperature, seed=123)
+    expected = _mixture(LOGITS.astype("float64"), lambda_, temperature)
+    tokens = _draw(sampler, LOGITS, jit=jit)
+    counts = np.bincount(tokens, minlength=len(LOGITS))
+    assert counts.sum() == N_DRAWS
+    _, p = stats.chisquare(counts, expected / expected.sum() * N_DRAWS)
+    assert p > 1e-3
+    # The test has power: the model alone (or uniform) is rejected.
+    model = _softmax(LOGITS.astype("float64") / temperature)
+    _, p_model = stats.chisquare(counts, model / model.sum() * N_DRAWS)
+    _, p_uniform = stats.chisquare(counts, np.full(8, N_DRAWS / 8))
+    assert p_model < 1e-10 and p_uniform < 1e-10
+
+
+def test_lambda_zero_is_uniform():
+    sampler = DPSampler(0.0, seed=5)
+    probs = np.asarray(sampler.mixture_probabilities(tf.constant(LOGITS[None])))
+    np.testing.assert_allclose(probs, np.full((1, 8), 1 / 8), rtol=0, atol=1e-7)
+    assert sampler.effective_lambda == 0.0
+    counts = np.bincount(_draw(sampler, LOGITS, jit=True), minlength=8)
+    _, p = stats.chisquare(counts, np.full(8, N_DRAWS / 8))
+    assert p > 1e-3
+
+
+def test_mixture_probabilities_formula_and_floor():
+    sampler = DPSampler(0.8, temperature=1.5, seed=0)
+    logits = np.stack([LOGITS, 50 * LOGITS])   # second row: q is one-hot in float32
+    q = np.asarray(sampler.compute_probabilities(tf.constant(logits)))
+    np.testing.assert_allclose(q[0], _softmax(LOGITS.astype("float64") / 1.5), rtol=1e-6)
+    probs = np.asarray(sampler.mixture_probabilities(tf.constant(logits)))
+    np.testing.assert_allclose(probs[0], _mixture(LOGITS.astype("float64"), 0.8, 1.5),
+                               rtol=1e-6)
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, rtol=1e-6)
+    # Every token keeps at least (1 - lambda_) / |V|: the source of the DP bound.
+    assert probs.min() >= (1 - 0.8) / 8 * (1 - 1e-6)
+    assert probs.max() <= (0.8 + 0.2 / 8) * (1 + 1e-6)
+
+
+def test_floor_holds_even_when_model_branch_gives_zero_mass():
+    # A one-hot q (log q = -inf elsewhere): every token must still appear with
+    # probability (1 - lambda_) / |V|, from the integer uniform branch alone.
+    sampler = DPSampler(0.5, seed=11)
+    one_hot = np.zeros((N_DRAWS, 8), "float32")
+    one_hot[:, 6] = 1.0
+    tokens = np.asarray(tf.function(sampler.get_next_token, jit_compile=True)(
+        tf.constant(one_hot)))
+    expected = np.full(8, 0.5 / 8)
+    expected[6] += 0.5
+    counts = np.bincount(tokens, minlength=8)
+    _, p = stats.chisquare(counts, expected * N_DRAWS)
+    assert p > 1e-3 and counts.min() > 0
+
+
+def test_effective_lambda_rounds_down_exactly():
+    for lam in [0.9, 0.5, 1 / 3, math.nextafter(1.0, 0.0), 1e-30]:
+        s = DPSampler(lam)
+        assert s.effective_lambda <= lam and lam - s.effective_lambda <= 2.0 ** -62
+        assert epsilon_per_token(s.effective_lambda, 50_257) <= epsilon_per_token(lam, 50_257)
+    assert DPSampler(0.5).effective_lambda == 0.5
+    assert DPSampler(math.nextafter(1.0, 0.0)).effective_lambda < 1.0
+
+
+def test_seeds_reproduce_and_advance():
+    a, b = DPSampler(0.5, seed=42), DPSampler(0.5, seed=42)
+    first_a, first_b = _draw(a, LOGITS, 500), _draw(b, LOGITS, 500)
+    np.testing.assert_array_equal(first_a, first_b)
+    assert not np.array_equal(first_a, _draw(a, LOGITS, 500))   # state advanced
+
+
+def test_unseeded_sampler_uses_os_entropy_not_python_random():
+    random.seed(0)
+    s1 = DPSampler(0.5)
+    random.seed(0)
+    s2 = DPSampler(0.5)
+    assert s1.seed is None and s2.seed is None
+    state1, state2 = np.asarray(s1.seed_generator.state), np.asarray(s2.seed_generator.state)
+    assert not np.array_equal(state1, state2)
+    assert state1[1] != 0 and state2[1] != 0      # both state words from os.urandom
+
+
+# --------------------------------------------------------------------------
+# Epsilon
+# --------------------------------------------------------------------------
+
+def test_epsilon_per_token_hand_computed():
+    # (1 + (V-1) lam) / (1 - lam):  V=2, lam=.5 -> 3;  V=300, lam=.5 -> 301;
+    # V=150000, lam=.9 -> (1 + 134999.1) / 0.1 = 1350001.
+    assert epsilon_per_token(0.5, 2) == pytest.approx(1.0986122886681098, rel=1e-12)
+    assert epsilon_per_token(0.5, 300) == pytest.approx(5.707110264748875, rel=1e-12)
+    assert epsilon_per_token(0.9, 150_000) == pytest.approx(14.115615891155079, rel=1e-12)
+    assert epsilon_per_token(0.0, 150_000) == 0.0
+    assert DPSampler(0.9).epsilon_per_token(150_000) == epsilon_per_token(0.9, 150_000)
+    # Tiny lambda: eps ~ V * lambda (log1p keeps it accurate).
+    assert epsilon_per_token(1e-12, 150_000) == pytest.approx(150_000e-12, rel=1e-6)
+
+
+def test_epsilon_per_sequence_hand_computed():
+    # V=150000, lam=.5: per token log(150001); 20 tokens.
+    assert epsilon_per_sequence(0.5, 150_000, 20) == pytest.approx(238.36794479445675,
+                                                                   rel=1e-12)
+    assert DPSampler(0.5).epsilon_per_sequence(150_000, 20) == pytest.approx(
+        20 * 11.918397239722838, rel=1e-12)
+    assert epsilon_per_sequence(0.5, 150_000, 0) == 0.0
+    assert generation.num_sampled_tokens(40, 3) == 37
+    assert generation.num_sampled_tokens(10, 12) == 0
+
+
+def test_lambda_for_epsilon_inverts_and_never_overspends():
+    assert lambda_for_epsilon(math.log(3), 2, 1) == pytest.approx(0.5, rel=1e-12)
+    assert lambda_for_epsilon(238.36794479445675, 150_000, 20) == pytest.approx(0.5, rel=1e-9)
+    assert lambda_for_epsilon(0.0, 150_000, 20) == 0.0
+    for eps, v, t in [(1.0, 150_000, 50), (10.0, 50_257, 1), (3.0, 8, 7), (30.0, 10, 1)]:
+        lam = lambda_for_epsilon(eps, v, t)
+        assert 0 <= lam < 1
+        assert epsilon_per_sequence(lam, v, t) <= eps
+        # Float resolution of lambda_ near 1 limits the match for large eps/T.
+        assert epsilon_per_sequence(lam, v, t) == pytest.approx(eps, rel=1e-5)
+        DPSampler(lam)   # always a valid sampler argument
+    # Beyond what a float lambda_ < 1 can reach: the largest float below 1.
+    lam = lambda_for_epsilon(1e6, 10, 1)
+    assert lam == math.nextafter(1.0, 0.0)
+    assert epsilon_per_sequence(lam, 10, 1) == pytest.approx(math.log(10 / 2 ** -53), rel=1e-9)
+
+
+# --------------------------------------------------------------------------
+# Argument checks and serialization
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [1.0, 1.5, -0.1, float("nan"), True, "0.5", None])
+def test_bad_lambda_raises(bad):
+    with pytest.raises(ValueError, match="lambda_"):
+        DPSampler(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "1"])
+def test_bad_temperature_raises(bad):
+    with pytest.raises(ValueError, match="temperature"):
+        DPSampler(0.5, temperature=bad)
+
+
+def test_bad_formula_arguments_raise():
+    with pytest.raises(ValueError, match="vocabulary_size"):
+        epsilon_per_token(0.5, 1)
+    with pytest.raises(ValueError, match="num_tokens"):
+        epsilon_per_sequence(0.5, 10, -1)
+    with pytest.raises(ValueError, match="epsilon"):
+        lambda_for_epsilon(-1.0, 10, 1)
+    with pytest.raises(ValueError, match="seed"):
+        DPSampler(0.5, seed=1.5)
+
+
+def test_get_config_round_trip():
+    sampler = DPSampler(0.75, temperature=0.8, seed=9)
+    config = sampler.get_config()
+    assert config == {"temperature": 0.8, "lambda_": 0.75, "seed": 9}
+    assert DPSampler.from_config(config).get_config() == config
+    serialized = keras.saving.serialize_keras_object(sampler)
+    assert serialized["registered_name"] == "keras_dp_lm>DPSampler"
+    restored = keras_hub.samplers.get(serialized)     # how KerasHub resolves samplers
+    assert isinstance(restored, DPSampler) and restored.get_config() == config
+    np.testing.assert_array_equal(_draw(sampler, LOGITS, 300), _draw(restored, LOGITS, 300))
+
+
+# --------------------------------------------------------------------------
+# Inside KerasHub generate() (XLA)
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt2_preset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("presets") / "tiny_gpt2"
+    testing.save_tiny_gpt2_preset(path, texts=[testing.DEFAULT_TEXT], vocabulary_size=300)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llama_preset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("presets") / "tiny_llama"
+    testing.save_tiny_llama_preset(path, texts=[testing.DEFAULT_TEXT], vocabulary_size=320)
+    return str(path)
+
+
+PROMPTS = ["To be, or", "Shall I compare"]
+
+
+def test_gpt2_generate_with_dp_sampler_under_xla(gpt2_preset):
+    lm = keras_hub.models.GPT2CausalLM.from_preset(gpt2_preset)
+    lm.compile(sampler=DPSampler(0.8, seed=7), jit_compile=True)
+    out = lm.generate(PROMPTS, max_length=16)
+    assert [o.startswith(p) and len(o) > len(p) for o, p in zip(out, PROMPTS)] == [True, True]
+    assert lm.generate_function._jit_compile is True
+    # The sampler's SeedGenerator state is carried across calls.
+    assert lm.generate(PROMPTS, max_length=16) != out
+    # A model compiled with the sampler rebuilt from its config reproduces it.
+    twin = keras_hub.models.GPT2CausalLM.from_preset(gpt2_preset)
+    twin.compile(sampler=keras_hub.samplers.get(
+        keras.saving.serialize_keras_object(DPSampler(0.8, seed=7))), jit_compile=True)
+    assert isinstance(twin.sampler, DPSampler)
+    assert twin.generate(PROMPTS, max_length=16) == out
+
+
+def test_gpt2_generate_lambda_zero_samples_uniformly(gpt2_preset):
+    lm = keras_hub.models.GPT2CausalLM.from_preset(gpt2_preset)
+    lm.compile(sampler=DPSampler(0.0, seed=3), jit_compile=False)   # XLA: tests above
+    x = lm.preprocessor.generate_preprocess(["To be"] * 32, sequence_length=40)
+    prompt_len = int(np.asarray(x["padding_mask"])[0].sum())
+    lm.preprocessor = None     # token ids in, token ids out
+    out = lm.generate({"token_ids": x["token_ids"], "padding_mask": x["padding_mask"]},
+                      stop_token_ids=None)
+    tokens = np.asarray(out["token_ids"])[:, prompt_len:].ravel()
+    assert tokens.size == 32 * (40 - prompt_len)
+    # Group the 300 ids into 10 bins of 30 ids: each bin has probability 1/10.
+    counts = np.bincount(tokens // 30, minlength=10)
+    _, p = stats.chisquare(counts)
+    assert p > 1e-3
+
+
+def test_llama_generate_with_dp_sampler_under_xla(llama_preset):
+    lm = keras_hub.models.LlamaCausalLM.from_preset(llama_preset)
+    lm.compile(sampler=DPSampler(0.9, temperature=0.7, seed=1), jit_compile=True)
+    out = lm.generate(PROMPTS, max_length=24)
+    assert [o.startswith(p) and len(o) > len(p) for o, p in zip(out, PROMPTS)] == [True, True]
+    assert lm.generate_function._jit_compile is True
+    budget = DecodingBudget(1e6)
+    budget.generate(lm, PROMPTS, max_length=24, composition="parallel")
+    v = lm.backbone.vocabulary_size
+    x = lm.preprocessor.generate_preprocess(PROMPTS, sequence_length=24)
+    shortest = int(np.asarray(x["padding_mask"]).sum(axis=-1).min())
+    assert 0 < shortest < 24
+    assert budget.spent == pytest.approx(epsilon_per_sequence(0.9, v, 24 - shortest),
+                                         rel=1e-12)
+
+
+# --------------------------------------------------------------------------
+# Budget
+# --------------------------------------------------------------------------
+
+def test_budget_charge_and_exhaustion():
+    budget = DecodingBudget(1.0)
+    assert budget.charge(0.7) == pytest.approx(0.3)
+    budget.charge(0.3)                      # exactly the total: allowed (fsum)
+    assert budget.spent == 1.0 and budget.remaining == 0.0
+    with pytest.raises(BudgetExhaustedError, match="budget exhausted") as err:
+        budget.charge(1e-6)
+    assert isinstance(err.value, RuntimeError)
+    assert budget.spent == 1.0 and budget.num_charges == 2   # failed charge not recorded
+    assert DecodingBudget.from_config(budget.get_config()).spent == 1.0
+    with pytest.raises(ValueError, match="total_epsilon"):
+        DecodingBudget(-1)
+    with pytest.raises(ValueError, match="epsilon"):
+        budget.charge(float("nan"))
+
+
+def test_budget_generate_charges_before_generating(gpt2_preset):
+    lm = keras_hub.models.GPT2CausalLM.from_preset(gpt2_preset)
+    lm.compile(sampler=DPSampler(0.5, seed=0), jit_compile=False)
+    v = lm.backbone.vocabulary_size
+    x = lm.preprocessor.generate_preprocess(PROMPTS, sequence_length=12)
+    lengths = np.asarray(x["padding_mask"]).sum(axis=-1)
+    per_seq = [epsilon_per_sequence(0.5, v, 12 - int(n)) for n in lengths]
+    budget = DecodingBudget(2.5 * max(per_seq))
+    assert budget.epsilon_for(lm, PROMPTS, 12, composition="parallel") == pytest.approx(
+        max(per_seq), rel=1e-12)
+    assert budget.epsilon_for(lm, PROMPTS, 12) == pytest.approx(  # default: sequential
+        sum(per_seq), rel=1e-12)
+
+    calls = []
+    real_generate = lm.generate
+    lm.generate = lambda *a, **k: calls.append(1) or real_generate(*a, **k)
+    out = budget.generate(lm, PROMPTS, max_length=12, composition="parallel")
+    assert len(out) == 2 and len(calls) == 1
+    budget.generate(lm, PROMPTS, max_length=12, composition="parallel")
+    assert budget.spent == pytest.approx(2 * max(per_seq), rel=1e-12)
+    with pytest.raises(BudgetExhaustedError):
+        budget.generate(lm, PROMPTS, max_length=12, composition="parallel")
+    assert len(calls) == 2                              # nothing generated
+    assert budget.spent == pytest.approx(2 * max(per_seq), rel=1e-12)
+
+
+def test_budget_refuses_non_dp_sampler(gpt2_preset):
+    lm = keras_hub.models.GPT2CausalLM.from_preset(gpt2_preset)
+    lm.compile(sampler="greedy")
+    with pytest.raises(ValueError, match=r"compile\(sampler=keras_dp_lm.DPSampler"):
+        DecodingBudget(10).generate(lm, PROMPTS, max_length=12)
+    lm.compile(sampler=DPSampler(0.5))
+    with pytest.raises(ValueError, match="composition"):
+        DecodingBudget(10).generate(lm, PROMPTS, max_length=12, composition="max")
+
+
+# --------------------------------------------------------------------------
+# Utility
+# --------------------------------------------------------------------------
+
+def test_mixture_perplexity(gpt2_preset):
+    lm = keras_hub.models.GPT2CausalLM.from_preset(gpt2_preset)
+    text = testing.DEFAULT_TEXT[:400]
+    ppl = generation.mixture_perplexity(lm, [text], [0.0, 0.5, 1.0], sequence_length=16)
+    assert list(ppl) == [0.0, 0.5, 1.0]
+    assert ppl[0.0] == pytest.approx(300, rel=1e-9)     # uniform over |V|
+    # Reference for lambda = 0.5 and 1 computed naively from the logits.
+    ids = np.asarray(lm.preprocessor.tokenizer(text))
+    nll = {0.5: [], 1.0: []}
+    for start in range(0, len(ids) - 1, 16):
+        chunk = ids[start:start + 16]
+        if len(chunk) < 2:
+            continue
+        logits = np.asarray(lm({"token_ids": chunk[None].astype("int32"),
+                                "padding_mask": np.ones((1, len(chunk)), bool)}))[0]
+        for t in range(len(chunk) - 1):
+            q = _softmax(logits[t].astype("float64"))[chunk[t + 1]]
+            nll[0.5].append(-math.log(0.5 * q + 0.5 / 300))
+            nll[1.0].append(-math.log(q))
+    for lam in (0.5, 1.0):
+        assert ppl[lam] == pytest.approx(math.exp(np.mean(nll[lam])), rel=1e-5)
+    # -log is convex: the mixture's perplexity is at most the geometric mean.
+    assert ppl[0.5] <= math.sqrt(ppl[0.0] * ppl[1.0])
