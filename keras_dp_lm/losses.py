@@ -5,7 +5,7 @@ examples (a padding mask is normalised by the number of valid tokens in the
 whole batch). DP-SGD needs one loss per example that depends on that example
 alone. The definition used throughout keras_dp_lm: **an example's loss is the
 compiled loss evaluated on a batch holding only that example** (weight
-regularisation included). :func:`per_example_losses` computes all of them in one
+regularisation, which depends on no example, is handled separately). :func:`per_example_losses` computes all of them in one
 batched pass, and the tests check it against that definition.
 """
 
@@ -137,7 +137,7 @@ def per_example_losses(model, x, y, y_pred, sample_weight=None):
 
     Uses ``model.compute_per_example_loss(x, y, y_pred, sample_weight)`` when
     the model defines it (the hook for custom losses), else the compiled loss.
-    Weight regularisation (data independent) is added to every example's loss.
+    Weight regularisation is not included (see :func:`regularization_loss`).
     Data-dependent extra losses (activity regularisers, ``add_loss`` on
     activations) would mix examples and are refused.
 
@@ -170,10 +170,21 @@ def per_example_losses(model, x, y, y_pred, sample_weight=None):
             "sensitivity bound. Remove them, or fold them into "
             "`compute_per_example_loss`."
         )
-    regularization = [ops.sum(ops.cast(loss, losses.dtype)) for loss in model.losses]
-    if regularization:
-        losses = losses + ops.sum(ops.stack(regularization))
     return losses
 
 
-__all__ = ["per_example_losses", "reduce_per_example"]
+def regularization_loss(model):
+    """Sum of the model's weight-regularisation losses (data independent), or None.
+
+    The DP step differentiates it separately and adds its gradient after the
+    noised average: it depends on no example, so it costs no privacy and is
+    neither clipped nor noised (as in non-private Keras, where the loss is the
+    batch mean plus the regularisation).
+    """
+    terms = [ops.sum(ops.cast(loss, "float32")) for loss in model.losses]
+    if not terms:
+        return None
+    return ops.sum(ops.stack(terms))
+
+
+__all__ = ["per_example_losses", "reduce_per_example", "regularization_loss"]

@@ -222,7 +222,8 @@ class DPOptimizerMixin:
                 tf.shape(grad), seed=var_seed, stddev=stddev, dtype=grad.dtype))
         return noises
 
-    def apply_dp_gradients(self, clipped_sum, trainable_variables, local_batch_size):
+    def apply_dp_gradients(self, clipped_sum, trainable_variables, local_batch_size,
+                           public_gradients=None):
         """Noise, normalise and apply a clipped per-example gradient sum.
 
         Called by the DP train step in replica context, once per logical batch.
@@ -233,6 +234,8 @@ class DPOptimizerMixin:
             trainable_variables: the variables the sum belongs to.
             local_batch_size: number of examples (real or padded) this replica
                 processed for this logical batch.
+            public_gradients: optional gradients of a data-independent term
+                (weight regularisation), added after the noised average.
         """
         replica_id, num_replicas = self._replica_index_and_count()
         grads = [tf.convert_to_tensor(g) for g in clipped_sum]
@@ -247,6 +250,10 @@ class DPOptimizerMixin:
                 ctx = tf.distribute.get_replica_context()
                 divisor = ctx.all_reduce(tf.distribute.ReduceOp.SUM, divisor)
         grads = [g / tf.cast(divisor, g.dtype) for g in grads]
+        if public_gradients is not None:
+            # Keras sums across replicas: each contributes 1/R of the term.
+            grads = [g if p is None else g + p / num_replicas
+                     for g, p in zip(grads, public_gradients)]
         with self._dp_apply_scope():
             self.apply_gradients(zip(grads, trainable_variables))
         self.dp_updates.assign_add(1)

@@ -33,6 +33,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_dp_lm import clipping as clipping_module
 from keras_dp_lm.losses import per_example_losses
+from keras_dp_lm.losses import regularization_loss
 from keras_dp_lm.optimizers import is_dp_optimizer
 
 
@@ -119,7 +120,8 @@ def dp_train_step(model, data):
     optimizer = model.optimizer
     check_model_is_private_compatible(model)
     grads, losses, norms, batch_size = dp_clipped_gradient(model, data)
-    optimizer.apply_dp_gradients(grads, model.trainable_variables, batch_size)
+    optimizer.apply_dp_gradients(grads, model.trainable_variables, batch_size,
+                                 public_gradients=_regularization_gradients(model))
     model._loss_tracker.update_state(
         tf.reduce_mean(losses), sample_weight=tf.cast(tf.size(losses), tf.float32))
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -135,6 +137,16 @@ def dp_train_step(model, data):
         # which fails on scalars: hand it rank-1 values, it returns scalars.
         logs = {name: tf.reshape(value, [1]) for name, value in logs.items()}
     return logs
+
+
+def _regularization_gradients(model):
+    """Gradients of the weight regularisation (data independent), or None."""
+    with tf.GradientTape() as tape:
+        loss = regularization_loss(model)
+    if loss is None:
+        return None
+    grads = tape.gradient(loss, model.trainable_variables)
+    return [None if g is None else tf.convert_to_tensor(g) for g in grads]
 
 
 def check_model_is_private_compatible(model):

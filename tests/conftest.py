@@ -14,4 +14,4 @@ def _fixed_seeds():
     keras.utils.set_random_seed(1234)
     np.random.seed(1234)
     yield
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)

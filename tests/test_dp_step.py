@@ -133,15 +133,26 @@ def test_per_example_losses_are_batch_of_one_losses_with_mask_normalisation():
         np.testing.assert_allclose(other[1:], batched[1:], rtol=1e-7)
 
 
-def test_weight_regularization_is_part_of_every_example_loss():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
-        2, kernel_regularizer=keras.regularizers.L2(0.1))])
-    model.compile(loss="mse")
-    x, y = np.ones((3, 3), "float32"), np.zeros((3, 2), "float32")
-    pred = model(x)
-    losses = per_example_losses(model, x, y, pred).numpy()
-    single = float(model.compute_loss(x=x[:1], y=y[:1], y_pred=pred[:1]))
-    np.testing.assert_allclose(losses, [single] * 3, rtol=1e-6)
+def test_weight_regularization_is_added_once_outside_clipping():
+    """Regularisation depends on no example: update = noised mean + grad(R), as in Keras."""
+    def model_with(reg):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(
+            2, kernel_regularizer=reg)])
+        model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=0.01, noise_multiplier=0.0),
+                      loss="mse")
+        return model
+
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype("float32")
+    y = np.zeros((4, 2), "float32")
+    plain, regularised = model_with(None), model_with(keras.regularizers.L2(0.5))
+    kernel = regularised.layers[0].kernel.numpy().copy()
+    losses = per_example_losses(regularised, x, y, regularised(x)).numpy()
+    np.testing.assert_allclose(losses, per_example_losses(plain, x, y, plain(x)).numpy())
+    for model in (plain, regularised):
+        model.fit(x, y, batch_size=4, verbose=0)
+    difference = regularised.layers[0].kernel.numpy() - plain.layers[0].kernel.numpy()
+    np.testing.assert_allclose(difference, -2 * 0.5 * kernel, rtol=1e-5, atol=1e-7)
 
 
 def test_accumulation_equals_one_big_batch_at_zero_noise():
