@@ -1,0 +1,125 @@
+"""``keras-dp-lm`` command line."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from keras_dp_lm import accounting
+from keras_dp_lm import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["--batch-size", "256", "--dataset-size", "60000", "--delta", "1e-5"]
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_epsilon_text_and_json(capsys):
+    code, out, err = run(capsys, "epsilon", "--noise-multiplier", "1.1", "--epochs", "2",
+                         *RUN, "--accountant", "rdp")
+    assert code == 0 and err == ""
+    steps = 2 * math.ceil(60000 / 256)  # 470
+    eps = accounting.compute_epsilon(1.1, 256 / 60000, steps, 1e-5, "rdp")
+    eps_pld = accounting.compute_epsilon(1.1, 256 / 60000, steps, 1e-5, "pld")
+    assert out.startswith("DP-SGD with noise multiplier 1.1, sampling rate 0.004267 "
+                          "(logical batch 256 of 60,000 examples), 470 noised updates "
+                          "(2.01 epochs).")
+    # epsilons are rounded UP in text
+    assert f"(epsilon = {accounting._fmt_eps(eps)}, delta = 1e-05)" in out
+    assert f"PLD accountant gives epsilon = {accounting._fmt_eps(eps_pld)}" in out
+    code, out, _ = run(capsys, "epsilon", "--noise-multiplier", "1.1", "--steps", "470",
+                       *RUN, "--accountant", "rdp", "--json")
+    report = json.loads(out)
+    assert code == 0
+    assert report["steps"] == 470 and report["epsilon"] == eps
+    assert report["epsilon_rdp"] == eps and report["epsilon_pld"] == eps_pld
+    assert report["sampling"] == "poisson" and report["accountant"] == "rdp"
+    # The text is the same statement the library (and PrivacyAccountant) prints.
+    code, text, _ = run(capsys, "epsilon", "--noise-multiplier", "1.1", "--steps", "470",
+                        *RUN, "--accountant", "rdp")
+    assert text.strip() == accounting.privacy_statement(accounting.privacy_report(
+        1.1, 256 / 60000, 470, 1e-5, dataset_size=60000, batch_size=256,
+        accountant="rdp"))
+
+
+def test_calibrate(capsys):
+    code, out, _ = run(capsys, "calibrate", "--target-epsilon", "2", "--steps", "470",
+                       *RUN, "--accountant", "rdp", "--json")
+    assert code == 0
+    report = json.loads(out)
+    sigma = report["noise_multiplier"]
+    q = 256 / 60000
+    assert report["epsilon"] <= 2.0 < accounting.compute_epsilon(0.99 * sigma, q, 470, 1e-5, "rdp")
+    assert report["target_epsilon"] == 2.0 and report["max_steps"] >= 470
+    code, out, _ = run(capsys, "calibrate", "--target-epsilon", "2", "--steps", "470",
+                       *RUN, "--accountant", "rdp", "--sampling", "shuffle",
+                       "--examples-per-user", "2")
+    assert code == 0
+    assert out.startswith(f"DP-SGD with noise multiplier {sigma:.6g}")
+    assert "Target epsilon 2: at most" in out and "shuffled fixed-size batches" in out
+    assert "at most 2 examples" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["epsilon", "--noise-multiplier", "1", *RUN], "one of the arguments --epochs --steps is required"),
+    (["epsilon", "--noise-multiplier", "-1", "--steps", "3", *RUN], "`noise_multiplier` must be finite and >= 0"),
+    (["epsilon", "--noise-multiplier", "x", "--steps", "3", *RUN], "argument --noise-multiplier: expected a number"),
+    (["epsilon", "--noise-multiplier", "1", "--steps", "3", "--batch-size", "0",
+      "--dataset-size", "10", "--delta", "1e-5"], "argument --batch-size: expected a positive integer"),
+    (["epsilon", "--noise-multiplier", "1", "--steps", "3", "--batch-size", "20",
+      "--dataset-size", "10", "--delta", "1e-5"], "--batch-size (20) cannot exceed --dataset-size (10)"),
+    (["epsilon", "--noise-multiplier", "1", "--steps", "3", "--batch-size", "2",
+      "--dataset-size", "10", "--delta", "2"], "`delta` must be in (0, 1)"),
+    (["calibrate", "--target-epsilon", "0", "--steps", "3", *RUN], "`target_epsilon` must be a finite number > 0"),
+    (["epsilon", "--noise-multiplier", "1", "--epochs", "-1", *RUN], "--epochs must be a finite number >= 0"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required"),
+])
+def test_bad_arguments(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert message in err
+
+
+def test_demo_forwards_arguments(capsys, monkeypatch):
+    # demo.py is not written yet: a clear message and exit code 2.
+    monkeypatch.setitem(sys.modules, "keras_dp_lm.demo", None)
+    code, _, err = run(capsys, "demo", "--steps", "3")
+    assert code == 2 and "the demo is not available" in err
+    seen = []
+    fake = types.ModuleType("keras_dp_lm.demo")
+    fake.main = lambda argv: seen.append(argv) or 5
+    monkeypatch.setitem(sys.modules, "keras_dp_lm.demo", fake)
+    import keras_dp_lm
+    monkeypatch.setattr(keras_dp_lm, "demo", fake, raising=False)
+    assert cli.main(["demo", "--steps", "3", "--json"]) == 5
+    assert seen == [["--steps", "3", "--json"]]
+
+    def exits(argv):
+        raise SystemExit(2)
+
+    fake.main = exits  # the demo's argparse exiting becomes a return code
+    assert cli.main(["demo", "--bad"]) == 2
+
+
+def test_console_script_exit_code():
+    # The installed `keras-dp-lm` script (pyproject [project.scripts]); one real
+    # process, since each one imports TensorFlow.
+    script = os.path.join(os.path.dirname(sys.executable), "keras-dp-lm")
+    command = ([script] if os.path.exists(script) else
+               [sys.executable, "-c", "import sys; from keras_dp_lm.cli import main; sys.exit(main())"])
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    bad = subprocess.run(command + ["epsilon", "--noise-multiplier", "1.1", *RUN],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "one of the arguments --epochs --steps is required" in bad.stderr
+    assert bad.stdout == ""
