@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 from keras_dp_lm import accounting
 from keras_dp_lm import sampling
 from keras_dp_lm import training as _training
+from keras_dp_lm import vocab
 from keras_dp_lm.accounting import PrivacyAccountant
 from keras_dp_lm.accounting import PrivacyBudgetExhaustedError
 from keras_dp_lm.accounting import calibrate_noise_multiplier
@@ -30,5 +31,6 @@ from keras_dp_lm.optimizers import make_dp_optimizer
 from keras_dp_lm.sampling import poisson_batches
 from keras_dp_lm.sampling import suggest_max_batch_size
 from keras_dp_lm.training import make_private
+from keras_dp_lm.vocab import DPVocabularyAdapter
 
 _training.install()
