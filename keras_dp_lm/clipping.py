@@ -18,7 +18,8 @@ import os
 import tensorflow as tf
 from keras.src import tree
 
-ClippedSum = collections.namedtuple("ClippedSum", ["grads", "norms", "losses", "outputs"])
+ClippedSum = collections.namedtuple(
+    "ClippedSum", ["grads", "norms", "losses", "outputs"], defaults=(None,))
 ClippedSum.__doc__ = """Result of per-example clipping.
 
 grads: list aligned with the variables: sum_i clip(g_i) (no noise, not divided).
@@ -117,15 +118,27 @@ def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None):
     return ClippedSum(sums, norms.stack(), losses.stack(), None)
 
 
+def _losses_only(loss_fn):
+    def losses(part):
+        result = loss_fn(part)
+        return result[0] if isinstance(result, tuple) else result
+    return losses
+
+
 def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto"):
     """Dispatch to the exact or fast per-example clipping.
 
-    ``method``: ``"exact"`` always computes full per-example gradients;
-    ``"fast"`` uses per-layer rules and refuses uncovered layers; ``"auto"`` uses
-    per-layer rules where they exist and exact gradients elsewhere.
+    ``loss_fn(batch)`` returns ``[b]`` per-example losses, or ``(losses, outputs)``
+    so that the fast path can hand the batched outputs back for metrics.
+    ``method``: ``"exact"`` computes every example's full gradient; ``"fast"``
+    uses per-layer rules (:mod:`keras_dp_lm.fast_clipping`) and refuses uncovered
+    layers; ``"auto"`` uses per-layer rules where they exist and exact
+    per-example gradients for the remaining variables.
     """
-    variables = model.trainable_variables
-    if method == "fast":
-        raise NotImplementedError(
-            "clipping='fast' is not available yet; use 'exact' or 'auto'.")
-    return exact_clipped_sum(loss_fn, data, variables, l2_norm_clip)
+    if method == "exact":
+        return exact_clipped_sum(_losses_only(loss_fn), data, model.trainable_variables,
+                                 l2_norm_clip)
+    from keras_dp_lm import fast_clipping  # imported lazily: it patches layer calls
+
+    result = fast_clipping.fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method=method)
+    return ClippedSum(*result)

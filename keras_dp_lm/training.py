@@ -72,12 +72,24 @@ def _micro_batch(data, index):
     return tree.map_structure(lambda t: None if t is None else t[index], data)
 
 
-def dp_clipped_gradient(model, data):
+def _update_metrics(model, part, outputs):
+    """Update compiled metrics on one (micro-)batch; they are not DP."""
+    if not _has_metrics(model):
+        return
+    px, py, psw = part
+    if outputs is None:
+        outputs = model(px, training=False) if model._call_has_training_arg else model(px)
+    model.compute_metrics(px, py, outputs, sample_weight=psw)
+
+
+def dp_clipped_gradient(model, data, update_metrics=False):
     """Summed clipped per-example gradients of one logical batch (no noise).
 
     Returns ``(grads, per_example_losses, per_example_norms, batch_size)``,
     processing ``optimizer.gradient_accumulation_steps`` micro-batches
-    sequentially.
+    sequentially. With ``update_metrics``, compiled metrics are updated from the
+    outputs of the first micro-batch (all of the batch when there is one), reusing
+    the fast path's forward pass when it made one.
     """
     optimizer = model.optimizer
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -86,7 +98,8 @@ def dp_clipped_gradient(model, data):
 
     def loss_fn(part):
         px, py, psw = part
-        return per_example_losses(model, px, py, _model_outputs(model, px), psw)
+        outputs = _model_outputs(model, px)
+        return per_example_losses(model, px, py, outputs, psw), outputs
 
     def micro_clipped_sum(part):
         return clipping_module.clipped_sum(
@@ -96,42 +109,47 @@ def dp_clipped_gradient(model, data):
     batch_size = clipping_module.batch_size_of(batch)
     if num_micro == 1:
         result = micro_clipped_sum(batch)
+        if update_metrics:
+            _update_metrics(model, batch, result.outputs)
         return result.grads, result.losses, result.norms, batch_size
 
     micro = _split_micro_batches(batch, num_micro)
-    variables = model.trainable_variables
+    # The first micro-batch runs outside the loop so metrics (whose variables
+    # may be created on first use) are never built inside control flow.
+    first_part = _micro_batch(micro, 0)
+    first = micro_clipped_sum(first_part)
+    if update_metrics:
+        _update_metrics(model, first_part, first.outputs)
 
     def body(i, sums, losses, norms):
         result = micro_clipped_sum(_micro_batch(micro, i))
         sums = [s + g for s, g in zip(sums, result.grads)]
         return i + 1, sums, losses.write(i, result.losses), norms.write(i, result.norms)
 
-    sums = [tf.zeros_like(v) for v in variables]
     losses = tf.TensorArray(tf.float32, size=num_micro, infer_shape=False)
     norms = tf.TensorArray(tf.float32, size=num_micro, infer_shape=False)
+    losses, norms = losses.write(0, first.losses), norms.write(0, first.norms)
     _, sums, losses, norms = tf.while_loop(
-        lambda i, *_: i < num_micro, body, (tf.constant(0), sums, losses, norms),
-        parallel_iterations=1)
+        lambda i, *_: i < num_micro, body,
+        (tf.constant(1), list(first.grads), losses, norms), parallel_iterations=1)
     return sums, losses.concat(), norms.concat(), batch_size
 
 
 def dp_train_step(model, data):
-    """One DP update on one logical batch; the body of ``model.train_step``."""
+    """One DP update on one logical batch; the body of ``model.train_step``.
+
+    The loss in the logs is the mean per-example loss of the whole logical
+    batch; other compiled metrics are computed on the first micro-batch only
+    (all of it without accumulation). Neither is differentially private.
+    """
     optimizer = model.optimizer
     check_model_is_private_compatible(model)
-    grads, losses, norms, batch_size = dp_clipped_gradient(model, data)
+    grads, losses, norms, batch_size = dp_clipped_gradient(model, data, update_metrics=True)
     optimizer.apply_dp_gradients(grads, model.trainable_variables, batch_size,
                                  public_gradients=_regularization_gradients(model))
     model._loss_tracker.update_state(
         tf.reduce_mean(losses), sample_weight=tf.cast(tf.size(losses), tf.float32))
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    if _has_metrics(model):
-        # Metrics need outputs; a separate forward pass in inference mode keeps
-        # them out of the per-example machinery. They are not DP.
-        y_pred = model(x, training=False) if model._call_has_training_arg else model(x)
-        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    else:
-        logs = model.get_metrics_result()
+    logs = model.get_metrics_result()
     if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
         # Keras 3.15 averages logs across workers with reduce(MEAN, axis=0),
         # which fails on scalars: hand it rank-1 values, it returns scalars.

@@ -214,3 +214,24 @@ def test_vectorized_exact_path_matches_loop_with_onednn_off(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     err = float(proc.stdout.split("ERR")[1])
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_fast_and_exact_clipping_give_the_same_fit_update(accumulation):
+    """The DP step with the default fast clipping equals the exact reference at sigma=0."""
+    rng = np.random.default_rng(5)
+    tokens, mask = _padded_tokens(4, 12, 50, rng)
+    x = {"token_ids": tokens[:, :-1], "padding_mask": mask[:, :-1]}
+    y, sw = tokens[:, 1:], mask[:, 1:].astype("float32")
+    weights = []
+    for method in ("exact", "auto"):
+        keras.utils.set_random_seed(11)
+        lm = _tiny_gpt2()
+        lm.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=0.3, noise_multiplier=0.0,
+                                       gradient_accumulation_steps=accumulation,
+                                       clipping=method),
+                   loss=SCCE, weighted_metrics=["sparse_categorical_accuracy"])
+        history = lm.fit(x, y, sample_weight=sw, batch_size=4, verbose=0, shuffle=False)
+        assert 0.0 <= history.history["sparse_categorical_accuracy"][0] <= 1.0
+        weights.append([w.numpy() for w in lm.trainable_variables])
+    assert max_relative_error(weights[1], weights[0]) < 1e-5

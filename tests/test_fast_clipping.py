@@ -1,0 +1,299 @@
+"""Fast per-example clipping (ghost norms + book-keeping) against a naive loop.
+
+Every test computes each example's gradient on its own with a GradientTape,
+clips it and sums (the naive reference below), and checks
+``fast_clipped_sum``'s per-example norms and clipped sum against it to 1e-4
+relative.  Models are tiny; dropout is 0 so the batched and one-example
+forward passes are the same function.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_hub
+
+from keras_dp_lm import fast_clipping as fc
+
+RTOL = 1e-4
+
+
+# ---------------------------------------------------------------------------
+# Naive reference and checks
+
+
+def naive_per_example(model, loss_fn, data):
+    """Per-example gradients, one example at a time: list over examples of lists."""
+    size = len(tf.nest.flatten(data)[0])
+    variables = model.trainable_variables
+    out = []
+    for i in range(size):
+        example = tf.nest.map_structure(lambda t: t[i:i + 1], data)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(loss_fn(example))
+        grads = tape.gradient(loss, variables)
+        out.append([np.zeros(v.shape) if g is None else
+                    np.asarray(tf.convert_to_tensor(g), np.float64)
+                    for g, v in zip(grads, variables)])
+    return out
+
+
+def naive_clip(per_example, clip):
+    norms = np.array([np.sqrt(sum(float(np.sum(g * g)) for g in grads))
+                      for grads in per_example])
+    sums = [np.zeros_like(g) for g in per_example[0]]
+    for grads, norm in zip(per_example, norms):
+        factor = min(1.0, clip / norm) if norm > 0 else 1.0
+        sums = [s + factor * g for s, g in zip(sums, grads)]
+    return norms, sums
+
+
+def assert_matches(model, loss_fn, data, fn=fc.fast_clipped_sum, method="auto"):
+    per_example = naive_per_example(model, loss_fn, data)
+    ref_norms, _ = naive_clip(per_example, 1.0)
+    clip = float(np.median(ref_norms))   # some examples clipped, some not
+    ref_norms, ref_sums = naive_clip(per_example, clip)
+    result = fn(model, loss_fn, data, clip, method=method)
+
+    norms = np.asarray(result.norms, np.float64)
+    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
+    assert len(result.grads) == len(model.trainable_variables)
+    total = np.sqrt(sum(float(np.sum(s * s)) for s in ref_sums))
+    err = np.sqrt(sum(float(np.sum((np.asarray(g, np.float64) - s) ** 2))
+                      for g, s in zip(result.grads, ref_sums)))
+    assert err <= RTOL * total, (err, total)
+    for v, g, s in zip(model.trainable_variables, result.grads, ref_sums):
+        assert tuple(g.shape) == tuple(v.shape), v.path
+        diff = np.linalg.norm(np.asarray(g, np.float64) - s)
+        # Per variable, relative to its own size (floored: attention key
+        # biases have an exactly-zero gradient).
+        assert diff <= RTOL * max(np.linalg.norm(s), 1e-3 * total), v.path
+    losses = np.asarray(result.losses)
+    assert losses.shape == (len(ref_norms),)
+    return result
+
+
+def token_loss(model, ids, mask):
+    """Per-example next-token CE, padding-weighted, normalised by the example's own tokens."""
+    logits = model({"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}, training=True)
+    weights = tf.cast(mask[:, 1:], tf.float32)
+    ce = keras.losses.sparse_categorical_crossentropy(ids[:, 1:], logits, from_logits=True)
+    return tf.reduce_sum(ce * weights, axis=1) / tf.reduce_sum(weights, axis=1)
+
+
+def padded_tokens(rng, batch, length, vocab):
+    ids = rng.integers(1, vocab, (batch, length)).astype("int32")
+    mask = np.ones((batch, length), "int32")
+    mask[1, length // 2:] = 0
+    mask[-1, 3:] = 0
+    return ids, mask
+
+
+def classification_loss(model):
+    def loss_fn(data):
+        x, y = data
+        return keras.losses.sparse_categorical_crossentropy(
+            y, model(x, training=True), from_logits=True)
+    return loss_fn
+
+
+@pytest.fixture
+def force(monkeypatch, request):
+    """Force every linear layer's norm to one method by closing the other's memory cap."""
+    mode = getattr(request, "param", None)
+    if mode == "ghost":
+        monkeypatch.setattr(fc, "_INSTANTIATE_MAX_BYTES", -1)
+    elif mode == "instantiate":
+        monkeypatch.setattr(fc, "_GHOST_MAX_BYTES", -1)
+    return mode
+
+
+# ---------------------------------------------------------------------------
+# Keras models
+
+
+@pytest.mark.parametrize("force", ["ghost", "instantiate", None], indirect=True)
+def test_dense_mlp(force):
+    rng = np.random.default_rng(0)
+    inp = keras.Input((5,))
+    hidden = keras.layers.Dense(7, activation="tanh")(inp)
+    hidden = keras.layers.Dense(6, activation="relu", use_bias=False)(hidden)
+    model = keras.Model(inp, keras.layers.Dense(3)(hidden))
+    data = (rng.normal(size=(6, 5)).astype("float32"), rng.integers(0, 3, 6))
+    assert_matches(model, classification_loss(model), data)
+    if force is None:   # also inside tf.function with XLA
+        xla = tf.function(
+            lambda m, f, d, c, method: fc.fast_clipped_sum(m, f, d, c, method=method),
+            jit_compile=True)
+        data = tuple(tf.constant(t) for t in data)
+        assert_matches(model, classification_loss(model), data, fn=xla, method="fast")
+    if force is None:   # loss_fn may hand back the batched forward's outputs
+        def with_outputs(data):
+            logits = model(data[0], training=True)
+            losses = keras.losses.sparse_categorical_crossentropy(
+                data[1], logits, from_logits=True)
+            return losses, logits
+        result = fc.fast_clipped_sum(model, with_outputs, data, 1.0)
+        np.testing.assert_allclose(result.outputs, model(data[0]), rtol=1e-6, atol=1e-6)
+        assert fc.fast_clipped_sum(model, classification_loss(model), data, 1.0).outputs is None
+    expected = {"ghost": "ghost", "instantiate": "instantiate"}.get(force)
+    if expected:
+        kernels = [m for p, m in fc.clipping_coverage(model).items() if p.endswith("kernel")]
+        assert set(kernels) == {expected}
+
+
+@pytest.mark.parametrize("force", ["ghost", "instantiate"], indirect=True)
+def test_embedding_dense_shared_layer(force):
+    """Repeated token ids, mask_zero, a Dense over the sequence called twice (cross terms)."""
+    rng = np.random.default_rng(1)
+    ids_in = keras.Input((6,), dtype="int32")
+    emb = keras.layers.Embedding(5, 4, mask_zero=True)(ids_in)
+    shared = keras.layers.Dense(4, activation="relu")
+    hidden = shared(shared(emb))
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    model = keras.Model(ids_in, keras.layers.Dense(2)(pooled))
+    ids = rng.integers(0, 5, (5, 6)).astype("int32")
+    assert_matches(model, classification_loss(model), (ids, rng.integers(0, 2, 5)))
+
+
+def test_multi_head_attention_masks():
+    rng = np.random.default_rng(2)
+    T = 6
+    q = keras.Input((T, 8))
+    mask = keras.Input((T,), dtype="bool")
+    attention_mask = keras.ops.logical_and(mask[:, None, :], mask[:, :, None])
+    att = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)(
+        q, q, attention_mask=attention_mask, use_causal_mask=True)
+    hidden = keras.layers.LayerNormalization()(att + q)
+    out = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(hidden))
+    model = keras.Model([q, mask], out)
+    valid = np.ones((4, T), bool)
+    valid[1, 4:] = False
+    x = rng.normal(size=(4, T, 8)).astype("float32")
+    data = ((tf.constant(x), tf.constant(valid)), tf.constant(rng.integers(0, 2, 4)))
+    assert_matches(model, classification_loss(model), data, method="fast")
+
+
+# ---------------------------------------------------------------------------
+# KerasHub models
+
+
+def test_gpt2_causal_lm_tied_padding_eager_and_graph():
+    rng = np.random.default_rng(3)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=100, num_layers=2, num_heads=2, hidden_dim=32,
+        intermediate_dim=64, max_sequence_length=16, dropout=0.0)
+    lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    ids, mask = padded_tokens(rng, 4, 11, 100)
+    ids[0, :4] = ids[0, 4:8]   # repeated tokens inside one example
+
+    def loss_fn(data):
+        return token_loss(lm, *data)
+
+    data = (tf.constant(ids), tf.constant(mask))
+    assert_matches(lm, loss_fn, data, method="fast")
+    graph = tf.function(lambda m, f, d, c, method: fc.fast_clipped_sum(m, f, d, c, method=method))
+    assert_matches(lm, loss_fn, data, fn=graph, method="fast")
+    coverage = fc.clipping_coverage(lm)
+    assert "exact" not in coverage.values()
+    assert coverage["token_embedding/embeddings"] == "ghost"
+    # The tied table's per-example gradient sums lookup and projection.
+    assert not any(p.endswith("reverse_embeddings") for p in coverage)
+
+
+def test_bert_text_classifier_padding():
+    rng = np.random.default_rng(4)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+    model = keras_hub.models.BertTextClassifier(
+        backbone, num_classes=2, preprocessor=None, dropout=0.0)
+    ids, mask = padded_tokens(rng, 4, 8, 50)
+    segments = np.zeros_like(ids)
+    segments[:, 4:] = 1
+    x = {"token_ids": ids, "segment_ids": segments, "padding_mask": mask}
+    assert_matches(model, classification_loss(model), (x, rng.integers(0, 2, 4)),
+                   method="fast")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_causal_lm(tied):
+    rng = np.random.default_rng(5)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=60, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=16, intermediate_dim=32, tie_word_embeddings=tied)
+    lm = keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+    ids, mask = padded_tokens(rng, 4, 9, 60)
+    assert_matches(lm, lambda d: token_loss(lm, *d), (ids, mask), method="fast")
+    coverage = fc.clipping_coverage(lm)
+    assert "exact" not in coverage.values()
+    assert coverage["sequence_output_layernorm/scale"] == "instantiate"
+
+
+# ---------------------------------------------------------------------------
+# Uncovered layers, coverage report, restoration
+
+
+def conv_model():
+    ids_in = keras.Input((6,), dtype="int32")
+    emb = keras.layers.Embedding(9, 4, name="embedding")(ids_in)
+    conv = keras.layers.Conv1D(3, 2, name="conv")(emb)
+    return keras.Model(ids_in, keras.layers.Dense(2, name="dense")(keras.layers.Flatten()(conv)))
+
+
+def test_fast_raises_listing_uncovered_and_auto_falls_back_to_exact():
+    rng = np.random.default_rng(6)
+    model = conv_model()
+    loss_fn = classification_loss(model)
+    data = (rng.integers(0, 9, (4, 6)).astype("int32"), rng.integers(0, 2, 4))
+    with pytest.raises(fc.UncoveredLayersError, match=r"conv \(Conv1D\): conv/kernel, conv/bias") as info:
+        fc.fast_clipped_sum(model, loss_fn, data, 1.0, method="fast")
+    assert isinstance(info.value, ValueError)
+    assert list(info.value.uncovered) == ["conv (Conv1D)"]
+    assert_matches(model, loss_fn, data, method="auto")
+    assert fc.clipping_coverage(model)["conv/kernel"] == "exact"
+
+
+class _ReadsKernel(keras.layers.Layer):
+    """Multiplies by another layer's kernel directly, outside that layer's call."""
+
+    def __init__(self, dense, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.dense.kernel))
+
+
+def test_variable_read_outside_its_layer_is_exact_or_refused():
+    rng = np.random.default_rng(7)
+    inp = keras.Input((3,))
+    dense = keras.layers.Dense(3)
+    out = _ReadsKernel(dense)(dense(inp))
+    model = keras.Model(inp, keras.layers.Dense(2)(out))
+    loss_fn = classification_loss(model)
+    data = (rng.normal(size=(4, 3)).astype("float32"), rng.integers(0, 2, 4))
+    with pytest.raises(fc.UncoveredLayersError, match="read outside its layer's call"):
+        fc.fast_clipped_sum(model, loss_fn, data, 1.0, method="fast")
+    assert_matches(model, loss_fn, data, method="auto")
+
+
+def test_coverage_report_and_restoration_after_error():
+    model = conv_model()
+    coverage = fc.clipping_coverage(model, sequence_length=6, batch_size=4)
+    assert coverage == {"embedding/embeddings": "ghost", "conv/kernel": "exact",
+                        "conv/bias": "exact", "dense/kernel": "ghost",
+                        "dense/bias": "instantiate"}
+    report = fc.coverage_report(model, sequence_length=6, batch_size=4)
+    assert "conv/kernel" in report and "uncovered layers" in report
+    assert "conv (Conv1D)" in report.splitlines()[-1]
+
+    def failing(data):
+        model(data, training=True)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fc.fast_clipped_sum(model, failing, np.zeros((2, 6), "int32"), 1.0)
+    assert not any("call" in layer.__dict__ for layer in model._flatten_layers())
+    assert fc._INSTALLED == {}
