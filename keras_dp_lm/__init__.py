@@ -7,6 +7,7 @@ optimizer binds the DP train step: ``model.fit`` then trains privately.
 __version__ = "0.1.0"
 
 from keras_dp_lm import accounting
+from keras_dp_lm import evaluation
 from keras_dp_lm import sampling
 from keras_dp_lm import training as _training
 from keras_dp_lm import vocab
