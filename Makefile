@@ -29,7 +29,10 @@ test: install data
 	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: install data
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/bench_clipping.py
+	$(PY) benchmarks/bench_vocab.py
+	$(PY) benchmarks/bench_sampler.py
+	$(PY) benchmarks/dp_decoding_utility.py
 
 clean:
 	rm -rf $(VENV) $(DATA) demo_output
