@@ -329,10 +329,9 @@ Clipping cost alone (one process, {steps} alternating rounds, median): the gradi
 per-example losses takes {ab['nonprivate']:.3f} s, `fast_clipped_sum(method="fast")` (per-example norms +
 clipped sum) {ab['fast']:.3f} s: **{ab['fast'] / ab['nonprivate']:.2f}x**. Beyond that, a DP step draws
 noise for every parameter (`DPAdam.apply_dp_gradients`, ~0.05 s here), and the package DP step
-(`keras_dp_lm.training.dp_train_step`, as of this run) makes a second, inference-mode forward
-pass for metrics, which KerasHub tasks always compile (`weighted_metrics="auto"`): that pass
-is the gap between the two fast rows. `fast_clipped_sum` can return the batched forward's
-outputs (`loss_fn` returning `(losses, y_pred)` -> `ClippedSum.outputs`) to avoid it.
+(`keras_dp_lm.training.dp_train_step`) computes the compiled metrics (KerasHub tasks always
+compile them, `weighted_metrics="auto"`) from the fast path's batched outputs, which keeps the
+logits alive until the metrics are done: that is the gap between the two fast rows.
 
 Largest batch under a {args.memory_cap_mb:.0f} MB RSS cap, **estimated** by fitting a line to
 peak RSS measured at a few batch sizes (2 steps each) and solving for the cap (not run at that size):
