@@ -91,15 +91,16 @@ def test_bad_arguments(capsys, argv, message):
 
 
 def test_demo_forwards_arguments(capsys, monkeypatch):
-    # demo.py is not written yet: a clear message and exit code 2.
+    # Without an importable demo module: a clear message and exit code 2.
+    import keras_dp_lm
     monkeypatch.setitem(sys.modules, "keras_dp_lm.demo", None)
+    monkeypatch.delattr(keras_dp_lm, "demo", raising=False)  # an earlier import set it
     code, _, err = run(capsys, "demo", "--steps", "3")
     assert code == 2 and "the demo is not available" in err
     seen = []
     fake = types.ModuleType("keras_dp_lm.demo")
     fake.main = lambda argv: seen.append(argv) or 5
     monkeypatch.setitem(sys.modules, "keras_dp_lm.demo", fake)
-    import keras_dp_lm
     monkeypatch.setattr(keras_dp_lm, "demo", fake, raising=False)
     assert cli.main(["demo", "--steps", "3", "--json"]) == 5
     assert seen == [["--steps", "3", "--json"]]
