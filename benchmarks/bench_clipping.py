@@ -34,18 +34,12 @@ CONFIG = dict(num_layers=4, hidden_dim=256, num_heads=4, intermediate_dim=1024,
 # Worker: one mode, one batch size, one process.
 
 
-def _worker(mode, batch, steps, warmup):
-    import resource
-
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+def _gpt2_and_tokens(batch):
+    """The benchmark model (seeded) and a batch of random ``[B, T + 1]`` token ids
+    with a random-length padding mask."""
     import numpy as np
     import keras
     import keras_hub
-    import tensorflow as tf
-
-    import keras_dp_lm as kdp
-    from keras_dp_lm import clipping as clipping_module
-    from keras_dp_lm import fast_clipping
 
     keras.utils.set_random_seed(0)
     T = CONFIG["sequence_length"]
@@ -54,11 +48,25 @@ def _worker(mode, batch, steps, warmup):
         num_heads=CONFIG["num_heads"], hidden_dim=CONFIG["hidden_dim"],
         intermediate_dim=CONFIG["intermediate_dim"], max_sequence_length=T)
     lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
-
     rng = np.random.default_rng(0)
     ids = rng.integers(1, CONFIG["vocabulary_size"], (batch, T + 1)).astype("int32")
     lengths = rng.integers(T // 2, T + 2, batch)
     mask = (np.arange(T + 1)[None, :] < lengths[:, None]).astype("int32")
+    return lm, ids, mask
+
+
+def _worker(mode, batch, steps, warmup):
+    import resource
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    import keras_dp_lm as kdp
+    from keras_dp_lm import fast_clipping
+
+    lm, ids, mask = _gpt2_and_tokens(batch)
     x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
     y, sw = ids[:, 1:], mask[:, 1:].astype("float32")
 
@@ -68,26 +76,10 @@ def _worker(mode, batch, steps, warmup):
     elif mode in ("exact", "fast"):
         optimizer = kdp.DPAdam(1e-4, l2_norm_clip=1.0, noise_multiplier=1.0,
                                clipping=mode)
-        if mode == "fast":
-            # Use the fast rules through the DP step.  If the package's dispatch
-            # does not route "fast" yet, route it here (same call it will make).
-            original = clipping_module.clipped_sum
-            try:
-                original(lm, lambda d: tf.zeros([1]), (tf.zeros([1]),), 1.0, method="fast")
-            except NotImplementedError:
-                def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto"):
-                    if method == "exact":
-                        return original(model, loss_fn, data, l2_norm_clip, method)
-                    return fast_clipping.fast_clipped_sum(
-                        model, loss_fn, data, l2_norm_clip, method=method)
-                clipping_module.clipped_sum = clipped_sum
-                path = "fast (fast_clipped_sum routed by the benchmark)"
-            except Exception:
-                pass
     if mode == "fast-step":
         optimizer = kdp.DPAdam(1e-4, l2_norm_clip=1.0, noise_multiplier=1.0, clipping="fast")
         path = ("minimal DP step: per_example_losses + fast_clipped_sum + "
-                "DPAdam.apply_dp_gradients in one tf.function (no metrics)")
+                "DPAdam._apply_clipped_sum in one tf.function (no metrics)")
     lm.compile(optimizer=optimizer,
                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     lm(x)  # build
@@ -104,7 +96,7 @@ def _worker(mode, batch, steps, warmup):
                 px, py, psw = part
                 return per_example_losses(lm, px, py, lm(px, training=True), psw)
             result = fast_clipping.fast_clipped_sum(lm, loss_fn, data, 1.0, method="fast")
-            optimizer.apply_dp_gradients(result.grads, lm.trainable_variables, batch)
+            optimizer._apply_clipped_sum(result.grads, lm.trainable_variables, batch)
             return tf.reduce_mean(result.losses)
 
         train = lambda: minimal_step(data).numpy()  # noqa: E731
@@ -135,24 +127,13 @@ def _worker_ab(batch, rounds):
     no optimizer, so their ratio isolates the cost of the clipping itself from
     the machine's changing load and from the rest of the DP step."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import numpy as np
     import keras
-    import keras_hub
     import tensorflow as tf
 
     from keras_dp_lm import fast_clipping
 
-    keras.utils.set_random_seed(0)
-    T = CONFIG["sequence_length"]
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=CONFIG["vocabulary_size"], num_layers=CONFIG["num_layers"],
-        num_heads=CONFIG["num_heads"], hidden_dim=CONFIG["hidden_dim"],
-        intermediate_dim=CONFIG["intermediate_dim"], max_sequence_length=T)
-    lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
-    rng = np.random.default_rng(0)
-    ids = tf.constant(rng.integers(1, CONFIG["vocabulary_size"], (batch, T + 1)).astype("int32"))
-    lengths = rng.integers(T // 2, T + 2, batch)
-    mask = tf.constant((np.arange(T + 1)[None, :] < lengths[:, None]).astype("int32"))
+    lm, ids, mask = _gpt2_and_tokens(batch)
+    ids, mask = tf.constant(ids), tf.constant(mask)
 
     def loss_fn(data):
         ids, mask = data
@@ -328,7 +309,7 @@ Fast path used: {results['fast']['path']}; coverage {results['fast']['coverage']
 Clipping cost alone (one process, {steps} alternating rounds, median): the gradient of the summed
 per-example losses takes {ab['nonprivate']:.3f} s, `fast_clipped_sum(method="fast")` (per-example norms +
 clipped sum) {ab['fast']:.3f} s: **{ab['fast'] / ab['nonprivate']:.2f}x**. Beyond that, a DP step draws
-noise for every parameter (`DPAdam.apply_dp_gradients`, ~0.05 s here), and the package DP step
+noise for every parameter (`DPAdam._apply_clipped_sum`, ~0.05 s here), and the package DP step
 (`keras_dp_lm.training.dp_train_step`) computes the compiled metrics (KerasHub tasks always
 compile them, `weighted_metrics="auto"`) from the fast path's batched outputs, which keeps the
 logits alive until the metrics are done: that is the gap between the two fast rows.

@@ -5,7 +5,7 @@ A DP optimizer owns the privacy parameters (``l2_norm_clip``,
 micro-batches per logical batch), noise generation and the division by the
 logical batch size. The per-example work (losses, gradients, clipping) happens
 in the DP train step (:mod:`keras_dp_lm.training`), which hands the clipped sum
-to :meth:`DPOptimizerMixin.apply_dp_gradients`. Any other route to
+to :meth:`DPOptimizerMixin._apply_clipped_sum` (private: it trusts its input to be clipped). Any other route to
 ``apply_gradients`` raises: a DP optimizer never applies a gradient that was not
 clipped per example and noised.
 
@@ -37,8 +37,6 @@ import keras
 import tensorflow as tf
 
 CLIPPING_METHODS = ("auto", "fast", "exact")
-_DP_ARGS = ("l2_norm_clip", "noise_multiplier", "gradient_accumulation_steps",
-            "expected_batch_size", "seed", "clipping")
 
 
 def _check_positive(name, value, allow_zero=False):
@@ -222,11 +220,14 @@ class DPOptimizerMixin:
                 tf.shape(grad), seed=var_seed, stddev=stddev, dtype=grad.dtype))
         return noises
 
-    def apply_dp_gradients(self, clipped_sum, trainable_variables, local_batch_size,
+    def _apply_clipped_sum(self, clipped_sum, trainable_variables, local_batch_size,
                            public_gradients=None):
         """Noise, normalise and apply a clipped per-example gradient sum.
 
-        Called by the DP train step in replica context, once per logical batch.
+        Called only by the DP train step (:mod:`keras_dp_lm.training`), in
+        replica context, once per logical batch. It cannot check that its input
+        was clipped per example, so it is not public API: custom loops use
+        ``keras_dp_lm.make_private(model)``.
 
         Args:
             clipped_sum: list of tensors, the sum over this replica's examples of

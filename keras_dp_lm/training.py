@@ -145,7 +145,7 @@ def dp_train_step(model, data):
     optimizer = model.optimizer
     check_model_is_private_compatible(model)
     grads, losses, norms, batch_size = dp_clipped_gradient(model, data, update_metrics=True)
-    optimizer.apply_dp_gradients(grads, model.trainable_variables, batch_size,
+    optimizer._apply_clipped_sum(grads, model.trainable_variables, batch_size,
                                  public_gradients=_regularization_gradients(model))
     model._loss_tracker.update_state(
         tf.reduce_mean(losses), sample_weight=tf.cast(tf.size(losses), tf.float32))
@@ -229,9 +229,10 @@ def make_private(model):
         return model.train_step(data)
 
     def run(data):
-        if not model.built or not model.optimizer.built:
+        if not model.built:
             x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
-            model(x) if model.built is False else None
+            model(x)
+        if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         return step(data)
 
