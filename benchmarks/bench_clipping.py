@@ -86,7 +86,7 @@ def _worker(mode, batch, steps, warmup):
     rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     train = lambda: lm.train_on_batch(x, y, sample_weight=sw)  # noqa: E731
     if mode == "fast-step":
-        from keras_dp_lm.losses import per_example_losses
+        from keras_dp_lm.training.losses import per_example_losses
         optimizer.build(lm.trainable_variables)
         data = tf.nest.map_structure(tf.convert_to_tensor, (x, y, sw))
 

@@ -64,7 +64,7 @@ def main(argv=None):
     import tensorflow as tf
 
     import keras_dp_lm as kdp
-    from keras_dp_lm.accounting import PrivacyAccountant
+    from keras_dp_lm.callbacks import PrivacyAccountant
 
     (x_train, y_train), (x_eval, y_eval) = make_task(
         args.play_a, args.play_b, args.train_examples, args.eval_examples, args.seed,

@@ -1,37 +1,146 @@
 """keras_dp_lm: differentially private vocabularies, training and decoding for Keras 3.
 
-Importing the package patches ``keras.Model.compile`` so that compiling with a DP
-optimizer binds the DP train step: ``model.fit`` then trains privately.
+Once Keras is imported (before or after this package), ``keras.Model.compile``
+is patched so that compiling with a DP optimizer binds the DP train step:
+``model.fit`` then trains privately, and DP optimizers, samplers and layers are
+registered for ``keras.models.load_model``. Names are imported on first use,
+so ``import keras_dp_lm.accounting`` (pure arithmetic) never loads TensorFlow.
+
+Example:
+    >>> import keras, numpy as np, keras_dp_lm as kdp
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+    ...               loss="mse")
+    >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=4, verbose=0)
+    >>> kdp.ledger_of(model).updates
+    2
 """
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
-from keras_dp_lm import accounting
-from keras_dp_lm import evaluation
-from keras_dp_lm import sampling
-from keras_dp_lm import training as _training
-from keras_dp_lm import vocab
-from keras_dp_lm.accounting import PrivacyAccountant
-from keras_dp_lm.accounting import PrivacyBudgetExhaustedError
-from keras_dp_lm.accounting import calibrate_noise_multiplier
-from keras_dp_lm.accounting import compute_epsilon
-from keras_dp_lm.accounting import max_steps
-from keras_dp_lm.generation import BudgetExhaustedError
-from keras_dp_lm.generation import DecodingBudget
-from keras_dp_lm.generation import DPSampler
-from keras_dp_lm.generation import epsilon_per_sequence
-from keras_dp_lm.generation import epsilon_per_token
-from keras_dp_lm.generation import lambda_for_epsilon
-from keras_dp_lm.losses import per_example_losses
-from keras_dp_lm.optimizers import DPAdam
-from keras_dp_lm.optimizers import DPAdamW
-from keras_dp_lm.optimizers import DPOptimizerMixin
-from keras_dp_lm.optimizers import DPSGD
-from keras_dp_lm.optimizers import is_dp_optimizer
-from keras_dp_lm.optimizers import make_dp_optimizer
-from keras_dp_lm.sampling import poisson_batches
-from keras_dp_lm.sampling import suggest_max_batch_size
-from keras_dp_lm.training import make_private
-from keras_dp_lm.vocab import DPVocabularyAdapter
+# public name -> module that defines it
+_EXPORTS = {
+    "PrivacyAccountant": "keras_dp_lm.callbacks",
+    "PrivacyBudgetExhaustedError": "keras_dp_lm.accounting",
+    "calibrate_noise_multiplier": "keras_dp_lm.accounting",
+    "compute_epsilon": "keras_dp_lm.accounting",
+    "max_steps": "keras_dp_lm.accounting",
+    "PrivacyLedger": "keras_dp_lm.training.ledger",
+    "ledger_of": "keras_dp_lm.training.ledger",
+    "BudgetExhaustedError": "keras_dp_lm.generation",
+    "DecodingBudget": "keras_dp_lm.generation",
+    "DPSampler": "keras_dp_lm.generation",
+    "epsilon_per_sequence": "keras_dp_lm.generation",
+    "epsilon_per_token": "keras_dp_lm.generation",
+    "lambda_for_epsilon": "keras_dp_lm.generation",
+    "per_example_losses": "keras_dp_lm.training.losses",
+    "DPAdam": "keras_dp_lm.optimizers",
+    "DPAdamW": "keras_dp_lm.optimizers",
+    "DPOptimizer": "keras_dp_lm.optimizers",
+    "DPOptimizerMixin": "keras_dp_lm.optimizers",
+    "DPSGD": "keras_dp_lm.optimizers",
+    "is_dp_optimizer": "keras_dp_lm.optimizers",
+    "make_dp_optimizer": "keras_dp_lm.optimizers",
+    "attach_real_slots": "keras_dp_lm.data",
+    "poisson_batches": "keras_dp_lm.data",
+    "suggest_max_batch_size": "keras_dp_lm.data",
+    "make_private": "keras_dp_lm.training",
+    "DPVocabularyAdapter": "keras_dp_lm.vocab",
+}
+_SUBMODULES = ("accounting", "callbacks", "data", "evaluation", "optimizers", "testing",
+               "training", "vocab")
+_DEPRECATED_SUBMODULES = {"sampling": "data"}
+# Modules that register Keras objects or patch Keras: imported as soon as Keras is.
+_KERAS_MODULES = ("keras_dp_lm.training", "keras_dp_lm.optimizers",
+                  "keras_dp_lm.generation", "keras_dp_lm.vocab")
 
-_training.install()
+__all__ = sorted(list(_EXPORTS) + list(_SUBMODULES) + list(_DEPRECATED_SUBMODULES))
+
+
+def __getattr__(name):
+    _activate_if_pending()
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES or name in _DEPRECATED_SUBMODULES:
+        value = importlib.import_module(f"keras_dp_lm.{name}")
+    else:
+        raise AttributeError(f"module 'keras_dp_lm' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def _activate():
+    """Patch ``compile`` and register keras_dp_lm's Keras objects."""
+    for module in _KERAS_MODULES:
+        importlib.import_module(module)
+    sys.modules["keras_dp_lm.training"].install()
+
+
+_pending = False
+
+
+def _activate_if_pending():
+    """Finish an activation that Keras's import could not complete.
+
+    When importing one of our own modules imports Keras (through TensorFlow),
+    activation runs while that module is only half initialised and fails; every
+    subpackage calls this at the end of its ``__init__``, so activation completes
+    as soon as the import chain that started it has finished.
+    """
+    global _pending
+    if not _pending:
+        return
+    try:
+        _activate()
+    except (ImportError, AttributeError):
+        return
+    _pending = False
+
+
+class _ActivateAfterKeras(importlib.abc.MetaPathFinder):
+    """Runs :func:`_activate` right after ``import keras`` finishes.
+
+    ``find_spec`` may be called without a load (TensorFlow probes for Keras), so
+    the finder stays installed until Keras has actually been executed.
+    """
+
+    _searching = False
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "keras" or self._searching:
+            return None
+        self._searching = True
+        try:
+            spec = importlib.util.find_spec("keras")
+        finally:
+            self._searching = False
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+        finder = self
+
+        def exec_then_activate(module):
+            global _pending
+            exec_module(module)
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            _pending = True
+            _activate_if_pending()
+
+        spec.loader.exec_module = exec_then_activate
+        return spec
+
+
+if "keras" in sys.modules:
+    _activate()
+elif not any(isinstance(f, _ActivateAfterKeras) for f in sys.meta_path):
+    sys.meta_path.insert(0, _ActivateAfterKeras())

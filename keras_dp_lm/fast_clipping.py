@@ -188,7 +188,9 @@ class _Linear:
         self.layout, self.keys, self.rows = layout, keys, rows
 
     def prepare(self):
-        self.X, self.Y = self._factors(self.call.g)
+        # float32 whatever the compute dtype: the norm is that of exactly the
+        # vector summed, to float32 rounding (mixed_bfloat16 included).
+        self.X, self.Y = (tf.cast(t, tf.float32) for t in self._factors(self.call.g))
 
     def inst_cost(self):
         return _or(self.H, 1) * _or(self.T, _DEFAULT_T) * _or(self.m, 1) * _or(self.n, 1)
@@ -226,7 +228,7 @@ class _Lookup:
         self.T = _prod([_static(s) for s in ids.shape[1:]])
 
     def prepare(self):
-        g = tf.convert_to_tensor(self.call.g)
+        g = tf.cast(tf.convert_to_tensor(self.call.g), tf.float32)
         self.G = tf.reshape(g, [-1, _or(self.T, -1), self.d])
         self.ids = tf.reshape(tf.cast(self.ids_raw, tf.int32), [-1, _or(self.T, -1)])
         self.ids.set_shape(self.G.shape[:2])
@@ -256,7 +258,7 @@ class _PerExample:
         self.var, self.call, self._fn = var, call, fn
 
     def prepare(self):
-        self.P = self._fn(tf.convert_to_tensor(self.call.g))
+        self.P = tf.cast(self._fn(tf.convert_to_tensor(self.call.g)), tf.float32)
 
     def inst_cost(self):
         return _prod([_static(s) for s in self.var.shape]) or 1
@@ -269,7 +271,13 @@ class _PerExample:
 
 
 class _Grams:
-    """Cache of per-example Gram matrices keyed by factor identity."""
+    """Cache of per-example Gram matrices keyed by factor identity.
+
+    A key names everything that determines the factor (the source tensor, the
+    einsum that permutes it and the ``[B, H, T, m]`` reshape), so two layers
+    share a Gram only when their factors are the same tensor (e.g. the query,
+    key and value projections of one input); ``None`` is never cached.
+    """
 
     def __init__(self):
         self._cache = {}
@@ -379,6 +387,7 @@ def _sq_norm(contribs, choice, grams):
 
 
 def _plain(layer):
+    """No LoRA, no quantization, no per-instance ``call``: the class's computation."""
     return (getattr(layer, "quantization_mode", None) is None
             and not getattr(layer, "lora_enabled", False)
             and "call" not in layer.__dict__)
@@ -393,7 +402,7 @@ class _DenseRule:
 
     @staticmethod
     def matches(layer):
-        return type(layer).call is keras.layers.Dense.call and _plain(layer)
+        return True
 
     @staticmethod
     def variables(layer):
@@ -419,7 +428,7 @@ class _DenseRule:
 
             rec.add(_Linear(layer._kernel, call, factors, to_var, (1, din, T, dout),
                             layout=("dense", din, dout),
-                            keys=(("dense-x", x.ref()), None)))
+                            keys=(("dense-x", x.ref(), T, din), None)))
             if layer.bias is not None:
                 shape = tuple(int(s) for s in layer.bias.shape)
                 rec.add(_PerExample(layer.bias, call,
@@ -495,7 +504,7 @@ class _EinsumDenseRule:
 
     @staticmethod
     def matches(layer):
-        return type(layer).call is keras.layers.EinsumDense.call and _plain(layer)
+        return True
 
     @staticmethod
     def variables(layer):
@@ -542,7 +551,7 @@ class _EinsumDenseRule:
 
                 rec.add(_Linear(layer._kernel, call, factors, to_var, (H, m, T, n),
                                 layout=("einsum", layer.equation, tuple(kshape)),
-                                keys=(("einsum-x", x.ref(), xs), None)))
+                                keys=(("einsum-x", x.ref(), xs, H, T, m), None)))
             if layer.bias is not None:
                 shape = tuple(int(s) for s in layer.bias.shape)
                 if z.shape.rank - len(shape) < 1:
@@ -580,15 +589,12 @@ class _EmbeddingRule:
 
     @staticmethod
     def matches(layer):
-        rev = getattr(keras.layers, "ReversibleEmbedding", None)
-        ok = type(layer).call is keras.layers.Embedding.call or (
-            rev is not None and type(layer).call is rev.call)
-        return ok and _plain(layer)
+        return True
 
     @staticmethod
     def _reversible(layer):
         rev = getattr(keras.layers, "ReversibleEmbedding", None)
-        return rev is not None and type(layer).call is rev.call
+        return rev is not None and isinstance(layer, rev)
 
     @staticmethod
     def variables(layer):
@@ -632,7 +638,7 @@ class _EmbeddingRule:
                     return tf.reshape(mat, ([-1] if batched else []) + [V, d])
 
                 rec.add(_Linear(layer._embeddings, call, factors, to_var, (1, V, T, d),
-                                layout=("rows", V, d), keys=(None, ("rev-h", x.ref())),
+                                layout=("rows", V, d), keys=(None, ("rev-h", x.ref(), T, d)),
                                 rows=True))
             else:
                 def factors(g, x=x):
@@ -644,7 +650,7 @@ class _EmbeddingRule:
 
                 rec.add(_Linear(layer.reverse_embeddings, call, factors, to_var,
                                 (1, d, T, V), layout=("dense", d, V),
-                                keys=(("dense-x", x.ref()), None)))
+                                keys=(("dense-x", x.ref(), T, d), None)))
         if layer.logit_soft_cap is not None:
             cap = layer.logit_soft_cap
             return ops.multiply(ops.tanh(ops.divide(z, cap)), cap)
@@ -670,9 +676,7 @@ class _PositionEmbeddingRule:
 
     @staticmethod
     def matches(layer):
-        cls = _keras_hub_class("keras_hub.src.layers.modeling.position_embedding",
-                               "PositionEmbedding")
-        return cls is not None and type(layer).call is cls.call and _plain(layer)
+        return True
 
     @staticmethod
     def variables(layer):
@@ -725,8 +729,7 @@ class _LayerNormRule:
 
     @staticmethod
     def matches(layer):
-        return (type(layer).call is keras.layers.LayerNormalization.call
-                and _plain(layer))
+        return True
 
     @staticmethod
     def variables(layer):
@@ -788,7 +791,7 @@ class _RMSNormRule:
 
     @staticmethod
     def matches(layer):
-        return _RMSNormRule._kind(layer) is not None and _plain(layer)
+        return _RMSNormRule._kind(layer) is not None
 
     @staticmethod
     def variables(layer):
@@ -826,20 +829,89 @@ class _RMSNormRule:
         return "instantiate"
 
 
-_RULES = (_DenseRule, _EinsumDenseRule, _EmbeddingRule, _PositionEmbeddingRule,
-          _LayerNormRule, _RMSNormRule)
+_RULES_BY_CLASS = {}
+
+
+def register_clipping_rule(layer_class, rule):
+    """Declare how fast clipping handles ``layer_class`` (exactly that class).
+
+    Fast clipping claims a layer only when ``type(layer)`` is a registered
+    class: a subclass may change the forward computation (a reparametrised
+    ``kernel``, an extra scale) that a rule's norm formula assumes, so it is
+    never matched implicitly and falls back to exact per-example gradients.
+
+    Args:
+        layer_class: the class being declared.
+        rule: a covered Keras layer class whose rule applies because
+            ``layer_class`` computes exactly what that class computes (a
+            declared contract: same ``call``, same use of the same variables),
+            or a rule object with ``variables(layer)``, ``forward(layer,
+            recorder, *args, **kwargs)``, ``static_method(layer, variable, T, B)``
+            and ``matches(layer)`` as the built-in rules in this module have.
+
+    Example:
+        >>> import keras
+        >>> class MyDense(keras.layers.Dense):   # same computation, extra config only
+        ...     pass
+        >>> register_clipping_rule(MyDense, keras.layers.Dense)
+        >>> model = keras.Sequential([keras.Input((3,)), MyDense(2)])
+        >>> "exact" in clipping_coverage(model).values()   # kernel ghost, bias instantiated
+        False
+    """
+    if not isinstance(layer_class, type):
+        raise TypeError(f"`layer_class` must be a class, got {layer_class!r}.")
+    if isinstance(rule, type) and rule in _RULES_BY_CLASS:
+        rule = _RULES_BY_CLASS[rule]
+    for method in ("variables", "forward", "static_method", "matches"):
+        if not callable(getattr(rule, method, None)):
+            raise TypeError(
+                f"`rule` must be a covered layer class ({', '.join(sorted(c.__name__ for c in _RULES_BY_CLASS))}) "
+                f"or a rule object with a `{method}` method, got {rule!r}.")
+    _RULES_BY_CLASS[layer_class] = rule
+
+
+def _register_builtin_rules():
+    rules = [(keras.layers.Dense, _DenseRule), (keras.layers.EinsumDense, _EinsumDenseRule),
+             (keras.layers.Embedding, _EmbeddingRule),
+             (keras.layers.LayerNormalization, _LayerNormRule)]
+    for name in ("ReversibleEmbedding",):
+        if hasattr(keras.layers, name):
+            rules.append((getattr(keras.layers, name), _EmbeddingRule))
+    if hasattr(keras.layers, "RMSNormalization"):
+        rules.append((keras.layers.RMSNormalization, _RMSNormRule))
+    hub = [("keras_hub.src.layers.modeling.position_embedding", "PositionEmbedding",
+            _PositionEmbeddingRule, None),
+           ("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm", _RMSNormRule, None),
+           ("keras_hub.src.layers.modeling.rms_normalization", "RMSNormalization",
+            _RMSNormRule, None),
+           # KerasHub's subclass adds preset plumbing only: the contract is that it
+           # inherits Keras's computation unchanged, checked here.
+           ("keras_hub.src.layers.modeling.reversible_embedding", "ReversibleEmbedding",
+            _EmbeddingRule, getattr(keras.layers, "ReversibleEmbedding", None))]
+    for path, name, rule, base in hub:
+        cls = _keras_hub_class(path, name)
+        if cls is None:
+            continue
+        if base is not None and not all(
+                getattr(cls, attr, None) is getattr(base, attr, None)
+                for attr in ("call", "embeddings", "build")):
+            continue
+        rules.append((cls, rule))
+    for cls, rule in rules:
+        _RULES_BY_CLASS.setdefault(cls, rule)
+
+
+_register_builtin_rules()
 
 
 def _rule_for(layer):
-    if not getattr(layer, "built", False):
+    if not getattr(layer, "built", False) or not _plain(layer):
         return None
-    for rule in _RULES:
-        try:
-            if rule.matches(layer):
-                return rule
-        except AttributeError:
-            continue
-    return None
+    rule = _RULES_BY_CLASS.get(type(layer))
+    try:
+        return rule if rule is not None and rule.matches(layer) else None
+    except AttributeError:
+        return None
 
 
 # --------------------------------------------------------------------------
@@ -885,6 +957,21 @@ class _Recorder:
         self.plan, self.tape, self.detect = plan, tape, detect
         self.calls, self.contribs, self.bad = [], [], {}
         self.depth = 0
+        self.eager = tf.executing_eagerly()
+        self.graph = None if self.eager else tf.compat.v1.get_default_graph()
+
+    def foreign_context(self):
+        """A reason when the current call runs in another graph than the
+        recording (a ``tf.while_loop`` / ``tf.cond`` body, e.g. an RNN cell):
+        its tensors cannot be watched from here."""
+        if tf.executing_eagerly() != self.eager or (
+                not self.eager and tf.compat.v1.get_default_graph() is not self.graph):
+            return "called inside a control-flow body (e.g. an RNN cell or tf.cond)"
+        return None
+
+    def mark_layer_bad(self, layer, rule, reason):
+        for v in rule.variables(layer):
+            self.mark_bad(v, reason)
 
     def new_call(self, layer, z):
         if self.depth != 1:
@@ -917,7 +1004,14 @@ def _make_wrapper(layer):
     def call(*args, **kwargs):
         rec = _active()
         entry = rec.plan.layers.get(id(layer)) if rec is not None else None
-        if entry is None or rec.depth > 0:
+        if entry is None:
+            return _orig(layer)(*args, **kwargs)
+        reason = ("called inside another covered layer's computation (e.g. as its "
+                  "activation)" if rec.depth > 0 else rec.foreign_context())
+        if reason is not None:
+            # The rule describes this layer's own call only: fall back to exact
+            # per-example gradients for its variables.
+            rec.mark_layer_bad(layer, entry[1], reason)
             return _orig(layer)(*args, **kwargs)
         rec.depth += 1
         try:
@@ -1008,9 +1102,10 @@ def _per_example_grads(loss_fn, data, variables, batch):
 # Public API
 
 _LAST_DECISIONS = weakref.WeakKeyDictionary()
+_LAST_REASONS = weakref.WeakKeyDictionary()
 
 
-def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto"):
+def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None):
     """Per-example gradient norms and the sum of clipped per-example gradients.
 
     Args:
@@ -1026,6 +1121,8 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto"):
         method: ``"auto"`` (fast rules for covered variables, exact per-example
             gradients for the rest) or ``"fast"`` (raise
             :class:`UncoveredLayersError` if any trainable variable is uncovered).
+        slot_mask: optional ``[B]``, 0 on padding slots: their clip factor is 0,
+            so they add exactly nothing to the clipped sum.
 
     Returns:
         :class:`ClippedSum` ``(grads, norms, losses, outputs)``: ``grads``
@@ -1107,18 +1204,20 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto"):
         pe = _per_example_grads(loss_fn, data, exact, B)
         for v, g in zip(exact, pe):
             per_example[id(v)] = g
-            sq = sq + tf.cast(_sum_except_batch(tf.square(g)), tf.float32)
+            sq = sq + _sum_except_batch(tf.square(tf.cast(g, tf.float32)))
             decisions[_var_path(v)] = "exact"
 
     norms = tf.sqrt(sq)
     clip = tf.cast(l2_norm_clip, tf.float32)
     factors = clip / tf.maximum(norms, clip)
+    if slot_mask is not None:
+        factors = tf.where(tf.cast(slot_mask, tf.float32) > 0, factors, 0.0)
 
     grads = []
     for v in plan.trainable:
         if id(v) in per_example:
-            g = per_example[id(v)]
-            grads.append(tf.tensordot(tf.cast(factors, g.dtype), g, axes=1))
+            g = tf.cast(per_example[id(v)], tf.float32)
+            grads.append(tf.cast(tf.tensordot(factors, g, axes=1), tf.as_dtype(v.dtype)))
         elif id(v) in by_var:
             g = None
             for c in by_var[id(v)]:
@@ -1129,6 +1228,8 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto"):
             grads.append(tf.zeros(v.shape, tf.as_dtype(v.dtype)))
     try:
         _LAST_DECISIONS[model] = decisions
+        _LAST_REASONS[model] = {_var_path(v): r for v in plan.trainable
+                                for r in [reasons.get(id(v))] if r}
     except TypeError:  # pragma: no cover
         pass
     return ClippedSum(grads=grads, norms=norms, losses=losses, outputs=outputs)
@@ -1171,6 +1272,28 @@ def clipping_coverage(model, sequence_length=None, batch_size=None):
     return out
 
 
+def exact_reason(model, variable):
+    """Why ``variable`` gets exact per-example gradients ("" when it does not)."""
+    reason = _LAST_REASONS.get(model, {}).get(_var_path(variable))
+    if reason:
+        return reason
+    plan = _Plan(model)
+    if id(variable) in plan.covered:
+        return ""
+    layer = plan.owners.get(id(variable))
+    if layer is None:
+        return "not created by a layer"
+    if not _plain(layer):
+        return "LoRA, quantized or per-instance call"
+    if type(layer) not in _RULES_BY_CLASS:
+        parents = [c.__name__ for c in type(layer).__mro__[1:] if c in _RULES_BY_CLASS]
+        if parents:
+            return (f"{type(layer).__name__} subclasses {parents[0]} but is not registered "
+                    "(register_clipping_rule): a subclass may change the computation")
+        return f"no rule for {type(layer).__name__}"
+    return "the rule does not cover this variable"
+
+
 def coverage_report(model, sequence_length=None, batch_size=None):
     """A readable table of :func:`clipping_coverage` with layer names and sizes."""
     cov = clipping_coverage(model, sequence_length, batch_size)
@@ -1183,12 +1306,12 @@ def coverage_report(model, sequence_length=None, batch_size=None):
         size = _prod([_static(s) for s in v.shape]) or 0
         counts[cov[path]] += size
         rows.append((path, _layer_desc(layer) if layer is not None else "-",
-                     "x".join(str(s) for s in v.shape), cov[path]))
-    w = [max([len(r[i]) for r in rows] + [len(h)]) for i, h in
-         enumerate(("variable", "layer", "shape", "method"))]
+                     "x".join(str(s) for s in v.shape), cov[path],
+                     exact_reason(model, v) if cov[path] == "exact" else ""))
+    header = ("variable", "layer", "shape", "method", "why exact")
+    w = [max([len(r[i]) for r in rows] + [len(h)]) for i, h in enumerate(header)]
     fmt = "  ".join("{:<%d}" % n for n in w)
-    lines = [fmt.format("variable", "layer", "shape", "method"),
-             fmt.format(*("-" * n for n in w))]
+    lines = [fmt.format(*header), fmt.format(*("-" * n for n in w))]
     lines += [fmt.format(*r) for r in rows]
     total = sum(counts.values()) or 1
     lines.append("")

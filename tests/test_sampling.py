@@ -9,8 +9,8 @@ import tensorflow as tf
 from scipy import stats
 
 import keras_dp_lm as kdp
-from keras_dp_lm import sampling
-from keras_dp_lm.accounting import PrivacyAccountant
+from keras_dp_lm import data as sampling
+from keras_dp_lm.callbacks import PrivacyAccountant
 from keras_dp_lm.accounting import compute_epsilon
 
 
@@ -19,8 +19,10 @@ def test_inclusion_rate_and_batch_sizes_match_poisson():
     ids = np.arange(n)
     counts = np.zeros(n)
     sizes = []
-    for x, y, w in sampling.iter_poisson_batches((ids, ids * 10), q, 60, seed=0,
-                                                 num_steps=steps):
+    for x, y, marked in sampling.iter_poisson_batches((ids, ids * 10), q, 60, seed=0,
+                                                      num_steps=steps):
+        w, rate, weight = sampling.split_real_slots(marked)
+        assert rate == q and weight is None
         real = w > 0
         size = int(real.sum())
         sizes.append(size)
@@ -44,13 +46,15 @@ def test_inclusion_rate_and_batch_sizes_match_poisson():
 def test_dataset_matches_numpy_generator_and_redraws_each_pass():
     x = np.arange(100, dtype="float32").reshape(50, 2)
     y = np.arange(50)
-    ds = sampling.poisson_batches((x, y), 0.2, 30, seed=3, num_steps=4)
+    ds = sampling.poisson_batches((x, y), 0.2, 30, seed=3, num_steps=4, padding="max")
     assert int(ds.cardinality()) == 4
-    assert ds.element_spec[0].shape == (30, 2) and ds.element_spec[2].shape == (30,)
-    first = [tuple(t.numpy() for t in batch) for batch in ds]
+    real_spec, rate_spec, _ = sampling.split_real_slots(ds.element_spec[2])
+    assert ds.element_spec[0].shape == (30, 2) and real_spec.shape == (30,)
+    assert ds.sampling_rate == 0.2 and ds.dataset_size == 50
+    first = [tuple(t.numpy() for t in tf.nest.flatten(batch)) for batch in ds]
     reference = list(sampling.iter_poisson_batches((x, y), 0.2, 30, seed=3, num_steps=4))
     for got, want in zip(first, reference):
-        for a, b in zip(got, want):
+        for a, b in zip(got, tf.nest.flatten(want)):
             np.testing.assert_array_equal(a, b)
     second = [batch[1].numpy() for batch in ds]  # a new epoch draws new batches
     assert not all(np.array_equal(a[1], b) for a, b in zip(first, second))
@@ -60,7 +64,7 @@ def test_dataset_matches_numpy_generator_and_redraws_each_pass():
     assert not all(np.array_equal(u, v) for u, v in zip(a, b))
     # tf.data input (unbatched examples) is loaded and sampled the same way
     from_ds = sampling.poisson_batches(tf.data.Dataset.from_tensor_slices((x, y)), 0.2, 30,
-                                       seed=3, num_steps=4)
+                                       seed=3, num_steps=4, padding="max")
     np.testing.assert_array_equal(next(iter(from_ds))[1].numpy(), reference[0][1])
 
 
@@ -70,10 +74,12 @@ def test_nested_inputs_strings_and_per_token_weights():
          "text": np.array([f"s{i}" for i in range(n)])}
     y = np.ones((n, 2), "int32")
     token_weight = np.tile(np.array([[1.0, 0.0]], "float32"), (n, 1))  # padding mask
-    ds = sampling.poisson_batches((x, y, token_weight), 0.3, 10, seed=0, num_steps=3)
-    for bx, by, bw in ds:
+    ds = sampling.poisson_batches((x, y, token_weight), 0.3, 10, seed=0, num_steps=3,
+                                  padding="max")
+    for bx, by, marked in ds:
+        real, _, bw = sampling.split_real_slots(marked)
         bw = bw.numpy()
-        size = int((bw.sum(axis=1) > 0).sum())
+        size = int(real.numpy().sum())
         assert bw.shape == (10, 2)
         np.testing.assert_array_equal(bw[:size], token_weight[:size])
         assert np.all(bw[size:] == 0)
@@ -90,9 +96,9 @@ def test_overflow_raises_or_truncates():
         ds = sampling.poisson_batches((x, y), 0.5, 10, seed=0, num_steps=3)
     with pytest.raises(tf.errors.OpError, match="max_batch_size=10"):
         list(ds)
-    for bx, _, bw in sampling.iter_poisson_batches((x, y), 0.5, 10, seed=0, num_steps=20,
-                                                   overflow="truncate"):
-        assert bw.sum() == 10 and len(set(bx)) == 10
+    for bx, _, marked in sampling.iter_poisson_batches((x, y), 0.5, 10, seed=0,
+                                                       num_steps=20, overflow="truncate"):
+        assert sampling.split_real_slots(marked)[0].sum() == 10 and len(set(bx)) == 10
 
 
 def test_overflow_probability_and_suggested_cap():
@@ -147,15 +153,15 @@ def test_padded_slots_have_no_effect_on_the_update(noise):
     x = rng.normal(size=(n, 4)).astype("float32")
     y = rng.integers(0, 3, n).astype("int32")
     bx, by, bw = next(sampling.iter_poisson_batches((x, y), q, cap, seed=1, num_steps=1))
-    size = int(bw.sum())
+    size = int(sampling.split_real_slots(bw)[0].sum())
     assert 0 < size < cap
     expected = q * n  # the optimizer divides by q*N, never by the padded size
     init = _model(noise, expected).get_weights()
 
     def one_step(inputs, labels, weights):
         model = _model(noise, expected, init)
-        model.fit(inputs, labels, sample_weight=weights, batch_size=len(inputs),
-                  epochs=1, shuffle=False, verbose=0)
+        ds = tf.data.Dataset.from_tensors((inputs, labels, weights))
+        model.fit(ds, epochs=1, verbose=0)
         return model.get_weights()
 
     padded = one_step(bx, by, bw)
@@ -179,12 +185,61 @@ def test_fit_on_poisson_batches_with_accountant():
     cap = sampling.suggest_max_batch_size(n, q, steps=16)
     ds = sampling.poisson_batches((x, y), q, cap, seed=0)  # 8 steps = 1 expected epoch
     model = _model(1.0, q * n)
-    accountant = PrivacyAccountant(delta=1e-3, dataset_size=n, accountant="rdp")
+    accountant = PrivacyAccountant(delta=1e-3, batches=ds, accountant="rdp")
     history = model.fit(ds, epochs=2, callbacks=[accountant], verbose=0)
     report = accountant.report()
     assert report["dp_updates"] == 16
     assert report["sampling"] == "poisson"
-    assert report["sampling_source"] == "optimizer.expected_batch_size is set"
+    assert report["sampling_source"] == "batches"
+    assert kdp.ledger_of(model).rows()[0][:2] == (1.0, q)
     assert report["sampling_rate"] == q
     assert history.history["epsilon"] == [compute_epsilon(1.0, q, k, 1e-3, "rdp")
                                           for k in (8, 16)]
+
+
+# --- bucketed padding ----------------------------------------------------------------
+def test_bucketed_padding_keeps_poisson_inclusion_and_bounds_the_overhead():
+    n, q, steps = 2000, 0.032, 3000
+    cap = sampling.suggest_max_batch_size(n, q, steps)
+    buckets = sampling.padding_buckets(n, q, cap)
+    assert buckets[-1] == cap and all(b2 / b1 <= 1.15 + 1e-9 or b1 == buckets[0]
+                                      for b1, b2 in zip(buckets, buckets[1:]))
+    counts = np.zeros(n)
+    real_total = padded_total = 0
+    for x, _, marked in sampling.iter_poisson_batches(
+            (np.arange(n), np.zeros(n)), q, cap, seed=0, num_steps=steps, padding="bucket"):
+        real, rate, _ = sampling.split_real_slots(marked)
+        size = int(real.sum())
+        assert len(real) in buckets and len(real) >= size and rate == q
+        assert np.all(real[:size] == 1) and np.all(real[size:] == 0)
+        if size >= buckets[0]:
+            assert len(real) <= 1.15 * size
+        counts[x[:size]] += 1
+        real_total, padded_total = real_total + size, padded_total + len(real)
+    rate = counts.sum() / (n * steps)
+    assert abs(rate - q) <= 5 * math.sqrt(q * (1 - q) / (n * steps))
+    assert padded_total / real_total <= 1.10  # about 1.06 on average
+
+
+def test_bucketed_batches_train_like_real_only_batches_and_are_accounted_at_q():
+    rng = np.random.default_rng(0)
+    n, q = 64, 0.25
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.integers(0, 3, n).astype("int32")
+    ds = sampling.poisson_batches((x, y), q, 40, seed=0, num_steps=3)
+    assert ds.element_spec[0].shape[0] is None
+    model = _model(0.0, q * n)
+    init = model.get_weights()
+    accountant = PrivacyAccountant(delta=1e-3, batches=ds, accountant="rdp")
+    model.fit(ds, callbacks=[accountant], verbose=0)
+    # the same updates on the real rows only, batch by batch
+    reference = _model(0.0, q * n, init)
+    for bx, by, marked in sampling.iter_poisson_batches((x, y), q, 40, seed=0, num_steps=3,
+                                                        padding="bucket"):
+        size = int(sampling.split_real_slots(marked)[0].sum())
+        reference.fit(bx[:size], by[:size], batch_size=size, verbose=0, shuffle=False)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    (sigma, rate, _, updates), = kdp.ledger_of(model).rows()
+    assert (sigma, rate, updates) == (0.0, q, 3)
+    assert accountant.epsilon == math.inf  # sigma = 0: no privacy, and the ledger says so

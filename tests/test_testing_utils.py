@@ -125,5 +125,5 @@ def test_text_passages_cover_the_text_in_order():
 
 
 def test_default_texts_fall_back_to_builtin_paragraph(monkeypatch):
-    monkeypatch.setattr(testing, "_find_shakespeare", lambda: None)
+    monkeypatch.setattr(testing.tiny_models, "_find_shakespeare", lambda: None)
     assert testing.default_texts() == [testing.DEFAULT_TEXT]

@@ -132,12 +132,19 @@ def _check_calibration(target):
 def test_dp_event_composes_with_training():
     mech = V.HistogramMechanism.create(delta=1e-6, max_words_per_example=8, target_epsilon=2.0)
     vocab_event = mech.dp_event()
-    event, threshold_delta = vocab_event
+    assert isinstance(vocab_event, dp_accounting.ComposedDpEvent)
+    event = vocab_event.event
     assert isinstance(event, dp_accounting.GaussianDpEvent)
     assert event.noise_multiplier == mech.noise_multiplier
-    assert threshold_delta == pytest.approx(5e-7)
-    # Alone: the PLD-composed epsilon reproduces the exact one (0.5%).
+    assert vocab_event.threshold_delta == pytest.approx(5e-7)
+    assert vocab_event.num_releases == 1
+    # Alone: the PLD-composed epsilon reproduces the exact one (0.5%), never above
+    # the reported one by more than the PLD discretisation.
     assert vocab_event.composed_epsilon(1e-6) == pytest.approx(mech.epsilon, rel=5e-3)
+    # The 0.1 tuple unpacking still works, with a deprecation warning.
+    with pytest.warns(DeprecationWarning, match="Unpacking"):
+        gaussian, threshold_delta = vocab_event
+    assert gaussian == event and threshold_delta == vocab_event.threshold_delta
     training = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), 100)
     both = vocab_event.composed_epsilon(1e-5, training)
@@ -363,9 +370,9 @@ def test_adapter_keeps_no_counts_and_never_learns_a_single_example_word(plays):
             assert CANARY not in str(value)
     assert adapter.privacy_report()["num_surviving_words"] > 0
     assert adapter.epsilon <= 4.0 and adapter.delta == 1e-6
-    event, threshold_delta = adapter.dp_event()
-    assert event.noise_multiplier == adapter.noise_multiplier
-    assert threshold_delta == pytest.approx(5e-7)
+    event = adapter.dp_event()
+    assert event.event.noise_multiplier == adapter.noise_multiplier
+    assert event.threshold_delta == pytest.approx(5e-7)
 
 
 def test_dp_wordpiece_quality_close_to_non_private(plays):
@@ -460,3 +467,143 @@ def test_sentencepiece_algorithms_and_kerashub_tokenizers(plays):
     vocabulary = adapter.get_vocabulary()
     assert vocabulary[token_ids[0]] == "[CLS]" and vocabulary[token_ids[-1]] == "[PAD]"
     assert "[SEP]" in [vocabulary[i] for i in token_ids]
+
+
+# --------------------------------------------------------------------------
+# Every release is counted; the adapter's event composes with training
+# --------------------------------------------------------------------------
+
+SMALL = dict(noise_multiplier=0.5, delta=1e-6, max_words_per_example=8, seed=0)
+
+
+def test_adapter_dp_event_composes_with_training_in_privacy_accountant(plays):
+    # Regression: dp_event() was an (event, threshold_delta) tuple, which
+    # PrivacyAccountant / compose_epsilon read as an (epsilon, delta) pair and
+    # rejected ("`epsilon of an extra event` must be a number").
+    import keras_dp_lm
+    from dp_accounting.pld import common as pld_common
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from keras_dp_lm import accounting
+
+    adapter = V.DPVocabularyAdapter(40, **SMALL)
+    adapter.adapt(_lines(plays, ["macbeth"], 2000))
+    event = adapter.dp_event()
+    callback = keras_dp_lm.PrivacyAccountant(delta=1e-5, dataset_size=2000,
+                                             extra_events=[event], verbose=0)
+    assert callback.extra_events == [event]
+    assert isinstance(event, dp_accounting.DpEvent)
+
+    sigma, rate, steps, delta = 1.0, 0.01, 200, 1e-5
+    training = accounting.dp_sgd_event(sigma, rate, steps)
+    composed = accounting.compose_epsilon([training, event], delta)
+    # dp_accounting called directly: the same PLDs composed by hand.
+    grid = 1e-4
+    direct = (pld_lib.from_gaussian_mechanism(
+        standard_deviation=sigma, sampling_prob=rate, value_discretization_interval=grid)
+        .self_compose(steps)
+        .compose(pld_lib.from_gaussian_mechanism(
+            standard_deviation=adapter.noise_multiplier, value_discretization_interval=grid))
+        .compose(pld_lib.from_privacy_parameters(
+            pld_common.DifferentialPrivacyParameters(0.0, adapter.mechanism.threshold_delta),
+            value_discretization_interval=grid))
+        .get_epsilon_for_delta(delta))
+    assert composed == pytest.approx(direct, rel=1e-6)
+    # And dp_accounting's own PLDAccountant on the Gaussian parts brackets it:
+    # the threshold delta costs between nothing and being taken out of delta.
+    pld = dp_accounting.pld.PLDAccountant()
+    pld.compose(training)
+    pld.compose(dp_accounting.GaussianDpEvent(adapter.noise_multiplier))
+    lower = pld.get_epsilon(delta)
+    upper = pld.get_epsilon(delta - adapter.mechanism.threshold_delta)
+    assert lower < composed <= upper * (1 + 1e-9)
+    assert composed < accounting.compute_epsilon(sigma, rate, steps, delta) + adapter.epsilon
+    # What PrivacyAccountant.report() computes for its total.
+    report = accounting.privacy_report(sigma, rate, steps, delta, extra_events=[event])
+    assert report["total_epsilon"] == pytest.approx(
+        accounting.compose_epsilon([training, event], report["total_delta"]), rel=1e-12)
+    assert event.composed_epsilon(delta, training) == pytest.approx(composed, rel=1e-9)
+
+
+def test_adapter_counts_every_release(plays):
+    # Regression: a second adapt() released a second histogram but epsilon,
+    # delta and dp_event() described one release (reported 11.28, spent 22.56).
+    lines = _lines(plays, ["macbeth"], 2000)
+    adapter = V.DPVocabularyAdapter(40, **SMALL)
+    one = adapter.mechanism
+    assert adapter.epsilon == one.epsilon          # planned: the release adapt will make
+    adapter.adapt(lines)
+    assert adapter.epsilon == one.epsilon
+    adapter.adapt(lines)
+    assert adapter.epsilon == pytest.approx(2 * one.epsilon, rel=1e-15)
+    assert adapter.delta == pytest.approx(2 * one.delta, rel=1e-15)
+    assert adapter.num_releases == 2
+    event = adapter.dp_event()
+    assert event.num_releases == 2
+    assert event.threshold_delta == pytest.approx(2 * one.threshold_delta)
+    from keras_dp_lm import accounting
+    both = accounting.compose_epsilon([event], 2e-6)
+    assert both == pytest.approx(
+        accounting.compose_epsilon([one.dp_event(), one.dp_event()], 2e-6), rel=1e-12)
+    assert accounting.compose_epsilon([one.dp_event()], 2e-6) < both <= adapter.epsilon
+    report = adapter.privacy_report()
+    assert report["num_releases"] == 2 and report["epsilon"] == adapter.epsilon
+    assert report["release_epsilon"] == one.epsilon
+
+
+def test_failed_learner_still_counts_the_release(plays):
+    # The error says how many words survived the noised threshold: a release.
+    adapter = V.DPVocabularyAdapter(5000, **SMALL)
+    with pytest.raises(ValueError, match="survived"):
+        adapter.adapt(_lines(plays, ["macbeth"], 500))
+    assert adapter.num_releases == 1 and not adapter.is_adapted
+
+
+def test_readapt_with_a_fixed_seed_draws_fresh_noise(plays, monkeypatch):
+    # Regression: with seed=0 every adapt() drew the same noise, so two releases
+    # on neighbouring data differ by the raw counts' difference.
+    released = []
+    real = V.dp_word_histogram
+
+    def spy(*args, **kwargs):
+        histogram = real(*args, **kwargs)
+        released.append(histogram.counts)
+        return histogram
+
+    monkeypatch.setattr(V, "dp_word_histogram", spy)
+    lines = _lines(plays, ["macbeth"], 2000)
+    adapter = V.DPVocabularyAdapter(40, **SMALL)
+    adapter.adapt(lines)
+    adapter.adapt(lines)
+    first, second = released
+    common = sorted(set(first) & set(second))
+    assert len(common) > 20
+    assert all(first[w] != second[w] for w in common)
+    # Release 0 keeps the documented meaning of `seed` (same as dp_word_histogram).
+    again = V.DPVocabularyAdapter(40, **SMALL)
+    again.adapt(lines)
+    assert released[2] == first
+
+
+def test_release_count_survives_save_reload_and_config(plays, tmp_path):
+    lines = _lines(plays, ["othello"], 2000)
+    adapter = V.DPVocabularyAdapter(40, sequence_length=8, **SMALL)
+    adapter.adapt(lines)
+    adapter.adapt(lines)
+    model = _small_model(adapter)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    reloaded = [layer for layer in loaded.layers if isinstance(layer, V.DPVocabularyAdapter)][0]
+    assert reloaded.num_releases == 2 and reloaded.epsilon == adapter.epsilon
+    reloaded.adapt(lines)            # re-adapt after load: a third release
+    assert reloaded.num_releases == 3
+    assert reloaded.epsilon == pytest.approx(3 * adapter.mechanism.epsilon, rel=1e-15)
+    clone = V.DPVocabularyAdapter.from_config(adapter.get_config())
+    assert clone.num_releases == 2 and clone.epsilon == adapter.epsilon
+    # A file written before releases were recorded: its vocabulary is one release.
+    legacy = V.DPVocabularyAdapter(40, sequence_length=8, **SMALL)
+    (tmp_path / "assets").mkdir()
+    adapter.save_assets(tmp_path / "assets")
+    meta = tmp_path / "assets" / "dp_vocabulary.json"
+    meta.write_text(meta.read_text().replace('"releases"', '"ignored"'))
+    legacy.load_assets(tmp_path / "assets")
+    assert legacy.is_adapted and legacy.num_releases == 1

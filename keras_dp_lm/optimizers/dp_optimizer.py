@@ -1,0 +1,353 @@
+"""``DPOptimizer``: any Keras optimizer, made differentially private.
+
+A DP optimizer wraps an inner Keras optimizer (as Keras's
+``LossScaleOptimizer`` does) and owns the privacy parameters
+(``l2_norm_clip``, ``noise_multiplier``), gradient accumulation, the noise and
+the division by the logical batch size. The per-example work (losses,
+gradients, clipping) happens in the DP train step (:mod:`keras_dp_lm.training`),
+which hands the clipped sum to :meth:`DPOptimizer._apply_clipped_sum`; any
+other route to ``apply_gradients`` raises. It serializes by its registered name
+with the inner optimizer's config, so a model compiled with any Keras optimizer
+(``Lion``, ``Adafactor``, ...) reloads in a fresh process.
+
+Semantics of one update, on ``R`` replicas with logical batch ``B``::
+
+    update = inner((sum_i clip(g_i) + N(0, (noise_multiplier * l2_norm_clip)^2 I)) / B)
+
+Each replica adds independent noise of std ``noise_multiplier * l2_norm_clip /
+sqrt(R)``; Keras sums gradients across replicas, so the total noise has exactly
+the std above whatever ``R`` is.
+"""
+
+import contextlib
+import math
+import os
+import threading
+
+import keras
+import tensorflow as tf
+
+CLIPPING_METHODS = ("auto", "fast", "exact")
+_KERAS_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
+# Base-optimizer arguments a wrapper does not take (set them on the inner one).
+_BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None,
+                  "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
+                  "ema_overwrite_frequency": None, "loss_scale_factor": None,
+                  "gradient_accumulation_steps": None, "learning_rate": None}
+
+
+def _check_positive(name, value, allow_zero=False):
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a number, got {value!r}.") from None
+    if math.isnan(number) or math.isinf(number):
+        raise ValueError(f"`{name}` must be finite, got {value!r}.")
+    if number < 0 or (number == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"`{name}` must be {bound}, got {value!r}.")
+    return number
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+def _check_inner(optimizer):
+    if isinstance(optimizer, DPOptimizer):
+        raise ValueError("The optimizer is already a DP optimizer.")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"A DP optimizer wraps a keras.optimizers.Optimizer, got {optimizer!r}.")
+    if getattr(optimizer, "built", False):
+        raise ValueError("Wrap an optimizer that has not been used yet (its state "
+                         "would be lost).")
+    for name in _KERAS_CLIPPING:
+        if getattr(optimizer, name, None) is not None:
+            raise ValueError(
+                f"`{name}` cannot be combined with a DP optimizer: clipping the "
+                "summed gradient does not bound any one example's influence. "
+                "DP optimizers clip each example's gradient to `l2_norm_clip`; "
+                f"remove `{name}`.")
+    if getattr(optimizer, "loss_scale_factor", None) is not None:
+        raise ValueError(
+            "`loss_scale_factor` is not supported by DP optimizers: loss scaling "
+            "would change the clipping bound. Train in float32 or mixed_bfloat16.")
+    if getattr(optimizer, "gradient_accumulation_steps", None) not in (None, 1):
+        raise ValueError(
+            "Set `gradient_accumulation_steps` on the DP optimizer, not on the inner "
+            "one: a DP step accumulates micro-batches of one logical batch.")
+
+
+def _privacy_parameter(name):
+    def get(self):
+        return self._privacy[name]
+
+    def set_(self, value):
+        if self.__dict__.get("_privacy_frozen"):
+            raise AttributeError(
+                f"`{name}` is frozen: the DP train step was traced with "
+                f"{name}={self._privacy[name]!r}, and what the accountant counts must "
+                "be what the step applies. To train on with other privacy parameters, "
+                "build a new DP optimizer and compile again; the model's privacy "
+                "ledger (keras_dp_lm.ledger_of(model)) keeps counting every update.")
+        self._privacy[name] = value
+    return property(get, set_, doc=f"``{name}`` (read-only once the DP step is traced).")
+
+
+@keras.saving.register_keras_serializable(package="keras_dp_lm")
+class DPOptimizer(keras.optimizers.Optimizer):
+    """Makes any Keras optimizer differentially private.
+
+    Args:
+        inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the
+            noised average gradient (learning rate, schedule, weight decay and
+            EMA are its own). Keras ``clipnorm``/``clipvalue``/``global_clipnorm``
+            and ``loss_scale_factor`` are refused.
+        l2_norm_clip: bound C on each example's gradient L2 norm.
+        noise_multiplier: sigma; the summed clipped gradient gets Gaussian noise
+            of std ``sigma * C`` once per logical batch.
+        gradient_accumulation_steps: k. Each batch ``fit`` feeds is one logical
+            batch, processed inside one train step as k micro-batches (peak
+            memory is a micro-batch's) and noised once; a batch that does not
+            divide by k is padded with inert slots. Unlike Keras's argument of
+            that name, k calls do not make one update: every train step is
+            exactly one noised update.
+        expected_batch_size: divisor of the noised sum. ``None`` (default) uses
+            the number of examples of the batch (summed over replicas). Required
+            with padded (Poisson) batches: ``q * N``.
+        seed: integer seed for the noise. ``None`` (default) draws it from OS
+            entropy, so two runs never share noise.
+        clipping: ``"auto"`` (fast per-layer rules where available, exact
+            elsewhere), ``"fast"`` (refuse uncovered layers) or ``"exact"``.
+
+    The privacy parameters are frozen once the DP step has been traced.
+
+    Example:
+        >>> import keras, numpy as np, keras_dp_lm as kdp
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> opt = kdp.DPOptimizer(keras.optimizers.Lion(1e-4), l2_norm_clip=1.0,
+        ...                       noise_multiplier=1.1, seed=0)
+        >>> model.compile(optimizer=opt,
+        ...               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        >>> history = model.fit(np.ones((8, 4)), np.zeros((8,)), batch_size=4, verbose=0)
+        >>> int(model.optimizer.dp_updates.numpy()), type(opt.inner_optimizer).__name__
+        (2, 'Lion')
+    """
+
+    is_dp_optimizer = True
+
+    def __init__(self, inner_optimizer, l2_norm_clip, noise_multiplier,
+                 gradient_accumulation_steps=1, expected_batch_size=None, seed=None,
+                 clipping="auto", name=None, **kwargs):
+        for key, default in _BASE_DEFAULTS.items():  # tolerated from old configs only
+            if key in kwargs and kwargs.pop(key) not in (default, None):
+                raise ValueError(
+                    f"DPOptimizer does not take `{key}`: set it on the inner optimizer.")
+        if kwargs:
+            raise ValueError(f"DPOptimizer does not take {sorted(kwargs)}.")
+        _check_inner(inner_optimizer)
+        privacy = {
+            "l2_norm_clip": _check_positive("l2_norm_clip", l2_norm_clip),
+            "noise_multiplier": _check_positive("noise_multiplier", noise_multiplier,
+                                                allow_zero=True),
+            "dp_accumulation_steps": _check_positive_int(
+                "gradient_accumulation_steps",
+                1 if gradient_accumulation_steps is None else gradient_accumulation_steps),
+            "expected_batch_size": (None if expected_batch_size is None else
+                                    _check_positive("expected_batch_size",
+                                                    expected_batch_size)),
+            "clipping": clipping,
+        }
+        if clipping not in CLIPPING_METHODS:
+            raise ValueError(
+                f"`clipping` must be one of {CLIPPING_METHODS}, got {clipping!r}.")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"`seed` must be an integer or None, got {seed!r}.")
+        super().__init__(learning_rate=0.0, name=name or f"dp_{inner_optimizer.name}")
+        self.inner_optimizer = inner_optimizer
+        self._privacy = privacy
+        self._privacy_frozen = False
+        self.seed = seed
+        self._noise_seed = seed if seed is not None else int.from_bytes(
+            os.urandom(8), "little") >> 1
+        self._apply_guard = threading.local()
+        with keras.name_scope(self.name, caller=self):
+            self.dp_updates = keras.Variable(
+                0, name="dp_updates", dtype="int64", trainable=False,
+                aggregation="only_first_replica")
+            self.dp_last_batch_size = keras.Variable(
+                0.0, name="dp_last_batch_size", dtype="float32",
+                trainable=False, aggregation="only_first_replica")
+        self._track_variable(self.dp_updates)
+        self._track_variable(self.dp_last_batch_size)
+
+    l2_norm_clip = _privacy_parameter("l2_norm_clip")
+    noise_multiplier = _privacy_parameter("noise_multiplier")
+    dp_accumulation_steps = _privacy_parameter("dp_accumulation_steps")
+    expected_batch_size = _privacy_parameter("expected_batch_size")
+    clipping = _privacy_parameter("clipping")
+
+    def freeze_privacy_parameters(self):
+        """Make the privacy parameters read-only (called when the DP step is traced)."""
+        self._privacy_frozen = True
+
+    # -- delegation to the inner optimizer -----------------------------------
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        if "inner_optimizer" in self.__dict__:  # the base __init__ sets 0.0 first
+            self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # -- fail closed -----------------------------------------------------------
+    @contextlib.contextmanager
+    def _dp_apply_scope(self):
+        depth = getattr(self._apply_guard, "depth", 0)
+        self._apply_guard.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._apply_guard.depth = depth
+
+    def apply(self, grads, trainable_variables=None):
+        if not getattr(self._apply_guard, "depth", 0):
+            raise RuntimeError(
+                f"{type(self).__name__} refuses gradients that did not come through "
+                "the DP train step: they are neither clipped per example nor noised. "
+                "Train with `model.fit` on a model compiled with this optimizer, or "
+                "in a custom loop call the step returned by "
+                "`keras_dp_lm.make_private(model)` instead of `apply_gradients`.")
+        return self.inner_optimizer.apply(grads, trainable_variables)
+
+    # -- noise -----------------------------------------------------------------
+    def noise_stddev_per_replica(self, num_replicas):
+        """Std of the noise each replica adds so that the sum has ``sigma * C``."""
+        return self.noise_multiplier * self.l2_norm_clip / math.sqrt(num_replicas)
+
+    def _noise_like(self, grads, replica_id, num_replicas):
+        seed = tf.constant([self._noise_seed >> 31, self._noise_seed & 0x7FFFFFFF],
+                           dtype=tf.int64)
+        seed = tf.random.experimental.stateless_fold_in(
+            seed, tf.cast(self.dp_updates.value, tf.int64))
+        seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(replica_id, tf.int64))
+        stddev = self.noise_stddev_per_replica(num_replicas)
+        return [tf.random.stateless_normal(
+            tf.shape(grad), seed=tf.random.experimental.stateless_fold_in(seed, index),
+            stddev=stddev, dtype=grad.dtype) for index, grad in enumerate(grads)]
+
+    def _apply_clipped_sum(self, clipped_sum, trainable_variables, local_batch_size,
+                           public_gradients=None):
+        """Noise, normalise and apply a clipped per-example gradient sum.
+
+        Called only by the DP train step, in replica context, once per logical
+        batch. It cannot check that its input was clipped per example, so it is
+        not public API: custom loops use ``keras_dp_lm.make_private(model)``.
+
+        Args:
+            clipped_sum: list of tensors, the sum over this replica's examples of
+                their clipped gradients (no noise, not divided).
+            trainable_variables: the variables the sum belongs to.
+            local_batch_size: number of real examples this replica processed.
+            public_gradients: optional gradients of a data-independent term
+                (weight regularisation), added after the noised average.
+        """
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None:
+            raise RuntimeError(
+                "DP gradients must be applied in a replica context (inside "
+                "strategy.run or fit), not in cross-replica context.")
+        replica_id, num_replicas = ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync
+        grads = [tf.convert_to_tensor(g) for g in clipped_sum]
+        if self.noise_multiplier > 0:
+            grads = [g + n for g, n in zip(grads, self._noise_like(
+                grads, replica_id, num_replicas))]
+        if self.expected_batch_size is not None:
+            divisor = tf.constant(self.expected_batch_size, tf.float32)
+        else:
+            divisor = tf.cast(local_batch_size, tf.float32)
+            if num_replicas > 1:
+                divisor = ctx.all_reduce(tf.distribute.ReduceOp.SUM, divisor)
+        grads = [g / tf.cast(divisor, g.dtype) for g in grads]
+        if public_gradients is not None:
+            # Keras sums across replicas: each contributes 1/R of the term.
+            grads = [g if p is None else g + p / num_replicas
+                     for g, p in zip(grads, public_gradients)]
+        with self._dp_apply_scope():
+            self.apply_gradients(zip(grads, trainable_variables))
+        self.dp_updates.assign_add(1)
+        self.dp_last_batch_size.assign(divisor)
+        return grads
+
+    # -- serialization ---------------------------------------------------------
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "l2_norm_clip": self.l2_norm_clip,
+            "noise_multiplier": self.noise_multiplier,
+            "gradient_accumulation_steps": self.dp_accumulation_steps,
+            "expected_batch_size": self.expected_batch_size,
+            "seed": self.seed,
+            "clipping": self.clipping,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["inner_optimizer"] = keras.saving.deserialize_keras_object(
+            config["inner_optimizer"], custom_objects=custom_objects)
+        return cls(**config)
+
+
+def is_dp_optimizer(optimizer):
+    """True when ``optimizer`` is a keras_dp_lm DP optimizer.
+
+    Example:
+        >>> import keras
+        >>> is_dp_optimizer(keras.optimizers.Adam())
+        False
+    """
+    return isinstance(optimizer, DPOptimizer)
+
+
+def make_dp_optimizer(optimizer, l2_norm_clip, noise_multiplier,
+                      gradient_accumulation_steps=1, expected_batch_size=None,
+                      seed=None, clipping="auto"):
+    """Turn any Keras optimizer (instance or class) into a :class:`DPOptimizer`.
+
+    Example:
+        >>> import keras
+        >>> opt = make_dp_optimizer(keras.optimizers.Lion(1e-4), l2_norm_clip=1.0,
+        ...                         noise_multiplier=1.0)
+        >>> type(opt).__name__, type(opt.inner_optimizer).__name__, opt.noise_multiplier
+        ('DPOptimizer', 'Lion', 1.0)
+    """
+    if isinstance(optimizer, type):
+        if issubclass(optimizer, DPOptimizer):
+            raise ValueError("The optimizer is already a DP optimizer.")
+        optimizer = optimizer()
+    return DPOptimizer(optimizer, l2_norm_clip=l2_norm_clip,
+                       noise_multiplier=noise_multiplier,
+                       gradient_accumulation_steps=gradient_accumulation_steps,
+                       expected_batch_size=expected_batch_size, seed=seed,
+                       clipping=clipping)

@@ -1,0 +1,66 @@
+"""Every touch of Keras's private API, in one place, behind a version guard.
+
+keras_dp_lm needs a few things Keras does not export: the trainer class whose
+``compile`` it wraps, the loss helpers that define Keras's reductions, the
+mask attached to tensors, and the base class of objects Keras saves. They are
+imported here only; the rest of the package imports them from this module.
+A Keras version outside ``TESTED_KERAS`` raises at import, so a Keras upgrade
+fails loudly instead of silently changing what the DP step computes.
+"""
+
+import keras
+
+TESTED_KERAS = ("3.15",)
+
+
+def _check_version(version):
+    if not any(version == v or version.startswith(v + ".") for v in TESTED_KERAS):
+        raise ImportError(
+            f"keras_dp_lm relies on Keras internals tested with Keras "
+            f"{', '.join(TESTED_KERAS)}.x, but Keras {version} is installed. Install "
+            f"keras=={TESTED_KERAS[-1]}.* (see pyproject.toml), or check "
+            "keras_dp_lm/keras_internals.py against the new version and extend "
+            "TESTED_KERAS.")
+
+
+_check_version(keras.__version__)
+
+# pylint: disable=wrong-import-position
+from keras.src import tree  # noqa: E402
+from keras.src.backend import get_keras_mask  # noqa: E402
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: E402
+from keras.src.losses.loss import squeeze_or_expand_to_same_rank  # noqa: E402
+from keras.src.losses.loss import standardize_reduction  # noqa: E402
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
+from keras.src.trainers.trainer import Trainer  # noqa: E402
+
+__all__ = [
+    "KerasSaveable",
+    "TensorFlowTrainer",
+    "Trainer",
+    "get_keras_mask",
+    "squeeze_or_expand_to_same_rank",
+    "standardize_reduction",
+    "tree",
+]
+
+
+def compiled_loss_terms(model):
+    """``[(path, loss_fn, loss_weight), ...]`` of a model's compiled loss."""
+    return [(path, fn, weight) for path, fn, weight, _ in model._compile_loss._flat_losses]
+
+
+def call_has_training_arg(model):
+    return model._call_has_training_arg
+
+
+def has_compiled_metrics(model):
+    return model._compile_metrics is not None or bool(model._metrics)
+
+
+def loss_tracker(model):
+    return model._loss_tracker
+
+
+def flatten_layers(model, include_self=False):
+    return list(model._flatten_layers(include_self=include_self, recursive=True))

@@ -1,0 +1,162 @@
+"""The model's privacy ledger: what every noised update actually used.
+
+The ledger belongs to the **model** (and to its saved file), not to whichever
+optimizer object is attached: recompiling with a fresh DP optimizer, assigning
+``model.optimizer = ...`` or reloading a ``.keras`` / ``.weights.h5`` file keeps
+counting from what the model has received.
+
+It is a small table of rows ``(noise_multiplier, sampling_rate,
+max_real_batch, updates)``, written by the traced DP step from the values the
+step itself used (never from Python attributes read later):
+
+* ``noise_multiplier``: sigma baked into the traced step;
+* ``sampling_rate``: q of the Poisson sampler that drew the batch (carried by
+  the batch, see :func:`keras_dp_lm.data.attach_real_slots`), or 0 for
+  fixed-size batches, which the accountant accounts at
+  ``max_real_batch / dataset_size``;
+* ``max_real_batch``: the largest number of real (non-padding) examples of a
+  logical batch in that row.
+
+Consecutive updates with the same sigma and q share a row. When the table is
+full, a new row is merged into the last one conservatively (smallest sigma,
+largest q and batch), which can only over-report epsilon.
+
+The accountant registers the parameters it assumes (:meth:`PrivacyLedger.set_limits`);
+the step then checks every batch against them *before* applying the update.
+
+Example:
+    >>> import keras, numpy as np, keras_dp_lm as kdp
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+    ...               loss="mse")
+    >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=4, verbose=0)
+    >>> kdp.ledger_of(model).rows()
+    [(1.0, 0.0, 4.0, 2)]
+"""
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+from keras_dp_lm.training import keras_internals
+
+MAX_ROWS = 32
+_COLUMNS = 4  # sigma, q, max real batch, updates
+
+
+class PrivacyLedger(keras_internals.KerasSaveable):
+    """Rows of ``(noise_multiplier, sampling_rate, max_real_batch, updates)``.
+
+    Create it with :func:`ledger_of`; do not construct it directly.
+    """
+
+    def __init__(self):
+        with tf.init_scope():
+            self.table = keras.Variable(
+                np.zeros((MAX_ROWS, _COLUMNS)), dtype="float64", trainable=False,
+                name="dp_ledger_table", aggregation="only_first_replica")
+            self.num_rows = keras.Variable(
+                0, dtype="int64", trainable=False, name="dp_ledger_rows",
+                aggregation="only_first_replica")
+            # Accounted limits: (smallest sigma, largest q, largest real batch);
+            # 0 means "not checked".
+            self.limits = keras.Variable(
+                np.zeros((3,)), dtype="float64", trainable=False,
+                name="dp_ledger_limits", aggregation="only_first_replica")
+            self.violations = keras.Variable(
+                0, dtype="int64", trainable=False, name="dp_ledger_violations",
+                aggregation="only_first_replica")
+
+    # -- Keras saving (the ledger is saved with the model's weights) ---------
+    def _obj_type(self):
+        return "Loss"  # any type Keras walks; the ledger has no saveable children
+
+    def save_own_variables(self, store):
+        store["table"] = np.asarray(self.table.numpy())
+        store["num_rows"] = np.asarray(self.num_rows.numpy())
+
+    def load_own_variables(self, store):
+        # A file saved before any DP training (or by a plain Keras model) has
+        # no ledger: the model has received no noised update.
+        if store is None or "table" not in list(store.keys()):
+            return
+        table = np.asarray(store["table"], dtype="float64")
+        rows = int(np.asarray(store["num_rows"]))
+        if table.shape != (MAX_ROWS, _COLUMNS) or not 0 <= rows <= MAX_ROWS:
+            raise ValueError(
+                f"The saved privacy ledger has shape {table.shape} and {rows} rows; "
+                f"expected ({MAX_ROWS}, {_COLUMNS}). It was written by an "
+                "incompatible keras_dp_lm version.")
+        self.table.assign(table)
+        self.num_rows.assign(rows)
+
+    # -- reading ---------------------------------------------------------------
+    def rows(self):
+        """The rows as ``[(sigma, q, max_real_batch, updates), ...]`` (Python)."""
+        table = np.asarray(self.table.numpy())
+        count = int(self.num_rows.numpy())
+        return [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
+
+    @property
+    def updates(self):
+        """Total number of noised updates the model has received."""
+        return sum(row[3] for row in self.rows())
+
+    def set_limits(self, noise_multiplier=0.0, sampling_rate=0.0, batch_size=0.0):
+        """Parameters the accountant assumes; the step refuses batches beyond them."""
+        self.limits.assign(np.array(
+            [noise_multiplier, sampling_rate, batch_size], dtype="float64"))
+        self.violations.assign(0)
+
+    def clear_limits(self):
+        self.limits.assign(np.zeros((3,)))
+
+    # -- writing (inside the traced step) -------------------------------------
+    def check(self, noise_multiplier, sampling_rate, real_batch):
+        """``ok`` (bool tensor): the batch is within the accounted limits."""
+        limits = tf.convert_to_tensor(self.limits.value)
+        sigma = tf.constant(noise_multiplier, tf.float64)
+        q = tf.cast(sampling_rate, tf.float64)
+        batch = tf.cast(real_batch, tf.float64)
+        sigma_ok = (limits[0] <= 0) | (sigma >= limits[0] * (1 - 1e-12))
+        poisson_ok = (limits[1] <= 0) | (q <= limits[1] * (1 + 1e-9))
+        fixed_ok = (limits[2] <= 0) | (batch <= limits[2] * (1 + 1e-9))
+        return sigma_ok & tf.where(q > 0, poisson_ok, fixed_ok)
+
+    def record(self, noise_multiplier, sampling_rate, real_batch, ok):
+        """Append one update (branch-free, so it runs in replica context and XLA)."""
+        table = tf.convert_to_tensor(self.table.value)
+        rows = tf.convert_to_tensor(self.num_rows.value)
+        sigma = tf.constant(noise_multiplier, tf.float64)
+        q = tf.cast(sampling_rate, tf.float64)
+        batch = tf.cast(real_batch, tf.float64)
+        last = tf.maximum(rows - 1, 0)
+        previous = tf.gather(table, last)
+        same = (rows > 0) & tf.equal(previous[0], sigma) & tf.equal(previous[1], q)
+        full = rows >= MAX_ROWS
+        merged = tf.stack([tf.minimum(previous[0], sigma), tf.maximum(previous[1], q),
+                           tf.maximum(previous[2], batch), previous[3] + 1.0])
+        fresh = tf.stack([sigma, q, batch, tf.constant(1.0, tf.float64)])
+        into_last = same | full
+        index = tf.where(into_last, last, rows)
+        row = tf.where(into_last, merged, fresh)
+        table = tf.tensor_scatter_nd_update(table, tf.reshape(index, [1, 1]), row[None])
+        self.table.assign(table)
+        self.num_rows.assign(tf.where(into_last, rows, rows + 1))
+        self.violations.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
+
+
+def ledger_of(model, create=True):
+    """The :class:`PrivacyLedger` of ``model`` (created empty on first use).
+
+    Example:
+        >>> import keras, keras_dp_lm as kdp
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> kdp.ledger_of(model).updates
+        0
+    """
+    ledger = model.__dict__.get("_keras_dp_lm_ledger")
+    if ledger is None and create:
+        ledger = PrivacyLedger()
+        model.__dict__["_keras_dp_lm_ledger"] = ledger
+    return ledger

@@ -1,0 +1,411 @@
+"""The DP train step and its binding to models compiled with a DP optimizer.
+
+After ``import keras_dp_lm``, ``model.compile(optimizer=<DP optimizer>, ...)``
+binds :func:`dp_train_step` to the model as an instance attribute (Keras looks
+the step up as ``self.train_step``), so plain ``model.fit`` trains privately.
+The step, per logical batch:
+
+1. splits the batch into ``gradient_accumulation_steps`` micro-batches;
+2. per micro-batch, computes per-example losses from the compiled loss
+   (:mod:`keras_dp_lm.training.losses`), per-example gradients, clips each to
+   ``l2_norm_clip`` and sums them (:mod:`keras_dp_lm.clipping`);
+3. hands the summed clipped gradient to the optimizer, which adds the noise
+   once, divides by the logical batch size and applies it.
+
+The loss and metrics shown by ``fit`` are computed on private data and are
+**not** differentially private themselves: do not publish them.
+
+Models whose class overrides ``train_step``, layers that mix examples in
+training (``BatchNormalization``) and data-dependent losses (activity
+regularisers) are refused, because the step could not guarantee the clipping
+bound for them.
+"""
+
+import collections
+import functools
+import types
+
+import keras
+import tensorflow as tf
+
+from keras_dp_lm import clipping as clipping_module
+from keras_dp_lm.training import keras_internals as internals
+from keras_dp_lm.training import refusals
+from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.losses import per_example_losses
+from keras_dp_lm.training.losses import regularization_loss
+from keras_dp_lm.optimizers import is_dp_optimizer
+from keras_dp_lm.data import attach_real_slots
+from keras_dp_lm.data import split_real_slots
+
+tree = internals.tree
+
+ClippedBatch = collections.namedtuple("ClippedBatch", ["grads", "losses", "norms", "mask"])
+ClippedBatch.__doc__ = """The clipped sum of one logical batch (no noise).
+
+grads: list aligned with ``model.trainable_variables``: the sum over real slots
+    of ``min(1, C / ||g_i||) g_i``; padding slots contribute exactly zero.
+losses: ``[B]`` per-example losses (0 on padding slots).
+norms: ``[B]`` per-example gradient norms before clipping (0 on padding slots).
+mask: ``[B]`` float32, 1 for real examples and 0 for padding slots.
+"""
+
+
+def _model_outputs(model, x):
+    if internals.call_has_training_arg(model):
+        return model(x, training=True)
+    return model(x)
+
+
+def _batch_size(batch):
+    first = next(t for t in tree.flatten(batch) if t is not None)
+    static = first.shape[0]
+    return static if static is not None else tf.shape(first)[0]
+
+
+def _pad_to_multiple(data, mask, num_micro):
+    """Pad every leaf (and the mask) with inert slots up to a multiple of k."""
+    size = _batch_size(mask)
+    if isinstance(size, int):
+        pad = (-size) % num_micro
+        if pad == 0:
+            return data, mask
+    else:
+        pad = tf.math.floormod(-size, num_micro)
+
+    def grow(t):
+        if t is None:
+            return None
+        filler = tf.gather(t, tf.zeros([pad], tf.int32))  # copies of slot 0, masked out
+        return tf.concat([t, filler], 0)
+
+    return tree.map_structure(grow, data), tf.concat([mask, tf.zeros([pad], mask.dtype)], 0)
+
+
+def _split_micro_batches(data, num_micro):
+    """Reshape each leaf ``[B, ...]`` to ``[k, B / k, ...]``."""
+    def split(t):
+        if t is None:
+            return None
+        shape = tf.concat([[num_micro, tf.shape(t)[0] // num_micro], tf.shape(t)[1:]], 0)
+        return tf.reshape(t, shape)
+    return tree.map_structure(split, data)
+
+
+def _micro_batch(data, index):
+    return tree.map_structure(lambda t: None if t is None else t[index], data)
+
+
+def _update_metrics(model, part, outputs):
+    """Update compiled metrics on one (micro-)batch; they are not DP."""
+    if not internals.has_compiled_metrics(model):
+        return
+    px, py, psw = part
+    if outputs is None:
+        outputs = _model_outputs(model, px)
+    model.compute_metrics(px, py, outputs, sample_weight=psw)
+
+
+def _has_real_slots(data):
+    _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    return split_real_slots(sample_weight)[0] is not None
+
+
+def _unpack(data):
+    """``(x, y, sample_weight, real-slot mask, sampling rate)`` of a batch."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    mask, rate, sample_weight = split_real_slots(sample_weight)
+    x, y, sample_weight = tree.map_structure(
+        lambda t: None if t is None else tf.convert_to_tensor(t), (x, y, sample_weight))
+    size = _batch_size((x, y, sample_weight))
+    if mask is None:
+        mask = tf.ones([size], tf.float32)
+    else:
+        mask = tf.cast(tf.reshape(mask, [-1]), tf.float32)
+        mask_size = mask.shape[0]
+        if isinstance(size, int) and mask_size is not None and mask_size != size:
+            raise ValueError(
+                f"The batch has {size} slots but its real-slot mask has {mask_size}: "
+                "a preprocessing step changed the number of rows. keras_dp_lm "
+                "needs row-wise preprocessing (one output row per input row).")
+    return x, y, sample_weight, mask, rate
+
+
+def dp_clipped_gradient(model, data, update_metrics=False):
+    """Summed clipped per-example gradients of one logical batch (no noise).
+
+    Returns a :class:`ClippedBatch`, processing
+    ``optimizer.gradient_accumulation_steps`` micro-batches sequentially (a
+    batch that does not divide evenly is padded with inert slots). Padding
+    slots, marked by :func:`keras_dp_lm.data.attach_real_slots`, get a loss
+    of exactly 0, so they add nothing whatever the loss or preprocessing does
+    with ``sample_weight``. With ``update_metrics``, compiled metrics are
+    updated from the outputs of the first micro-batch.
+    """
+    x, y, sample_weight, mask, _ = _unpack(data)
+    return _clipped_batch(model, (x, y, sample_weight), mask, update_metrics)
+
+
+def _clipped_batch(model, batch, mask, update_metrics):
+    optimizer = model.optimizer
+
+    def loss_fn(part):
+        (px, py, psw), pmask = part
+        outputs = _model_outputs(model, px)
+        losses = per_example_losses(model, px, py, outputs, psw)
+        return tf.where(pmask > 0, losses, tf.zeros_like(losses)), outputs
+
+    def micro_clipped_sum(part):
+        result = clipping_module.clipped_sum(
+            model, loss_fn, part, optimizer.l2_norm_clip, method=optimizer.clipping,
+            slot_mask=part[1])
+        norms = result.norms * tf.cast(part[1], result.norms.dtype)
+        return result._replace(norms=norms)
+
+    num_micro = optimizer.dp_accumulation_steps
+    if num_micro == 1:
+        result = refusals.without_state_updates(
+            model, lambda: micro_clipped_sum((batch, mask)))
+        if update_metrics:
+            _update_metrics(model, batch, result.outputs)
+        return ClippedBatch(result.grads, result.losses, result.norms, mask)
+
+    batch, mask = _pad_to_multiple(batch, mask, num_micro)
+    micro = _split_micro_batches((batch, mask), num_micro)
+    # The first micro-batch runs outside the loop so metrics (whose variables
+    # may be created on first use) are never built inside control flow.
+    first_part = _micro_batch(micro, 0)
+    first = refusals.without_state_updates(model, lambda: micro_clipped_sum(first_part))
+    if update_metrics:
+        _update_metrics(model, first_part[0], first.outputs)
+
+    def body(i, sums, losses, norms):
+        result = micro_clipped_sum(_micro_batch(micro, i))
+        sums = [s + g for s, g in zip(sums, result.grads)]
+        return i + 1, sums, losses.write(i, result.losses), norms.write(i, result.norms)
+
+    losses = tf.TensorArray(tf.float32, size=num_micro, infer_shape=False)
+    norms = tf.TensorArray(tf.float32, size=num_micro, infer_shape=False)
+    losses, norms = losses.write(0, first.losses), norms.write(0, first.norms)
+    _, sums, losses, norms = tf.while_loop(
+        lambda i, *_: i < num_micro, body,
+        (tf.constant(1), list(first.grads), losses, norms), parallel_iterations=1)
+    return ClippedBatch(sums, losses.concat(), norms.concat(), mask)
+
+
+def dp_train_step(model, data):
+    """One DP update on one logical batch; the body of ``model.train_step``.
+
+    Before the update the batch is checked against what the accountant
+    assumes (the model's :class:`~keras_dp_lm.training.ledger.PrivacyLedger` limits):
+    a batch with more real examples, a larger sampling rate or a smaller noise
+    multiplier raises (graph mode) and in any case contributes nothing. The
+    ledger then records the sigma, sampling rate and real batch size this
+    traced step used.
+
+    The loss in the logs is the mean per-example loss over the real examples
+    of the logical batch; other compiled metrics are computed on the first
+    micro-batch only. Neither is differentially private.
+    """
+    optimizer = model.optimizer
+    refusals.check_model(model)
+    optimizer.freeze_privacy_parameters()
+    sigma = float(optimizer.noise_multiplier)
+    ledger = ledger_of(model)
+    x, y, sample_weight, mask, rate = _unpack(data)
+    if _has_real_slots(data) and optimizer.expected_batch_size is None:
+        raise ValueError(
+            "These batches are padded (they carry a real-slot mask, e.g. from "
+            "keras_dp_lm.data.poisson_batches), so the DP optimizer must divide "
+            "by the expected batch size, never by the data-dependent number of real "
+            "examples: pass expected_batch_size=sampling_rate * dataset_size to the "
+            "DP optimizer.")
+    result = _clipped_batch(model, (x, y, sample_weight), mask, update_metrics=True)
+    real = tf.reduce_sum(result.mask)
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        real = ctx.all_reduce(tf.distribute.ReduceOp.SUM, real)
+    rate = tf.constant(0.0, tf.float64) if rate is None else tf.cast(
+        tf.reshape(rate, [-1])[0], tf.float64)
+    ok = ledger.check(sigma, rate, real)
+    check = tf.debugging.Assert(ok, [
+        "keras_dp_lm refused a batch beyond what the accountant assumes "
+        "(limits: noise_multiplier >=, sampling_rate <=, real batch <=; then this "
+        "batch's values). Pass the real batch_size / sampling_rate to "
+        "PrivacyAccountant, or feed batches that match it:",
+        ledger.limits.value, sigma, rate, real])
+    with tf.control_dependencies([check]):  # nothing below runs for a refused batch
+        keep = tf.cast(ok, tf.float32)  # and under XLA, which drops asserts, it adds nothing
+        grads = [g * tf.cast(keep, g.dtype) for g in result.grads]
+        local_size = tf.reduce_sum(result.mask)  # fixed-size batches: all slots real
+        optimizer._apply_clipped_sum(grads, model.trainable_variables, local_size,
+                                     public_gradients=_regularization_gradients(model))
+        ledger.record(sigma, rate, real, ok)
+    real_losses = tf.boolean_mask(result.losses, result.mask > 0)
+    internals.loss_tracker(model).update_state(
+        tf.reduce_mean(real_losses) if real_losses.shape[0] != 0 else 0.0,
+        sample_weight=tf.cast(tf.size(real_losses), tf.float32))
+    logs = model.get_metrics_result()
+    if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        # Keras 3.15 averages logs across workers with reduce(MEAN, axis=0),
+        # which fails on scalars: hand it rank-1 values, it returns scalars.
+        logs = {name: tf.reshape(value, [1]) for name, value in logs.items()}
+    return logs
+
+
+def _regularization_gradients(model):
+    """Gradients of the weight regularisation (data independent), or None."""
+    with tf.GradientTape() as tape:
+        loss = regularization_loss(model)
+    if loss is None:
+        return None
+    grads = tape.gradient(loss, model.trainable_variables)
+    return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+
+check_model_is_private_compatible = refusals.check_model
+
+
+def _check_train_step_not_overridden(model):
+    step = type(model).train_step
+    if step is not internals.TensorFlowTrainer.train_step:
+        raise TypeError(
+            f"{type(model).__name__} overrides train_step(), so model.fit would "
+            "bypass per-example clipping and noise. Remove the override (put "
+            "custom losses in `compute_per_example_loss(x, y, y_pred, "
+            "sample_weight)`), or train with the step returned by "
+            "`keras_dp_lm.make_private(model)` in a custom loop.")
+
+
+def make_private(model):
+    """Bind the DP train step to a model compiled with a DP optimizer.
+
+    ``model.compile`` does this automatically once keras_dp_lm is imported.
+    Returns a callable ``step(data) -> logs`` (a ``tf.function``) for custom
+    training loops: it performs exactly the update ``fit`` would.
+
+    Example:
+        >>> import keras, numpy as np, keras_dp_lm as kdp
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0,
+        ...                                   noise_multiplier=1.0), loss="mse")
+        >>> step = kdp.make_private(model)
+        >>> logs = step((np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")))
+        >>> kdp.ledger_of(model).updates
+        1
+    """
+    if not is_dp_optimizer(getattr(model, "optimizer", None)):
+        raise ValueError(
+            "make_private(model) needs a model compiled with a keras_dp_lm DP "
+            "optimizer, e.g. model.compile(optimizer=keras_dp_lm.DPAdam(...), loss=...).")
+    refusals.check_model(model)
+    ledger_of(model)
+    model.train_step = types.MethodType(dp_train_step, model)
+    model.train_function = None
+
+    @tf.function
+    def step(data):
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            strategy = tf.distribute.get_strategy()
+            logs = strategy.run(model.train_step, args=(data,))
+            return strategy.experimental_local_results(logs)[0]
+        return model.train_step(data)
+
+    def run(data):
+        if not model.built:
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+            model(x)
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        return step(data)
+
+    return run
+
+
+def _keep_real_slots_through(preprocess):
+    """Wrap a KerasHub ``preprocess_samples`` so the real-slot mask survives it.
+
+    KerasHub preprocessors build their own ``sample_weight`` (the padding
+    mask) and drop the one they are given: without this, padding slots of a
+    Poisson batch of raw strings would train with full weight.
+    """
+    if getattr(preprocess, "_keras_dp_lm_keeps_slots", False):
+        return preprocess
+
+    def wrapped(x, y=None, sample_weight=None):
+        mask, rate, sample_weight = split_real_slots(sample_weight)
+        out = preprocess(x, y, sample_weight)
+        if mask is None:
+            return out
+        px, py, psw = keras.utils.unpack_x_y_sample_weight(out)
+        return px, py, attach_real_slots(psw, mask, rate)
+
+    wrapped._keras_dp_lm_keeps_slots = True
+    return wrapped
+
+
+_original_compile = internals.Trainer.compile
+
+
+@functools.wraps(_original_compile)
+def _compile_with_dp_binding(self, *args, **kwargs):
+    _original_compile(self, *args, **kwargs)
+    own = self.__dict__
+    if is_dp_optimizer(getattr(getattr(self, "optimizer", None), "inner_optimizer", None)):
+        raise ValueError(
+            "Keras wrapped the DP optimizer in a LossScaleOptimizer (the "
+            "'mixed_float16' policy). Dynamic loss scaling multiplies the loss before "
+            "per-example clipping and skips or rescales updates, so the clipping bound "
+            "and the noise no longer match what is accounted. Use the "
+            "'mixed_bfloat16' policy (supported: clipping arithmetic runs in float32) "
+            "or float32.")
+    if is_dp_optimizer(getattr(self, "optimizer", None)):
+        _check_train_step_not_overridden(self)
+        refusals.check_model(self)
+        ledger_of(self)  # created in the strategy scope compile runs in
+        self.train_step = types.MethodType(dp_train_step, self)
+        if hasattr(self, "preprocess_samples"):
+            self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
+    elif isinstance(own.get("train_step"), types.MethodType) and \
+            own["train_step"].__func__ is dp_train_step:
+        del own["train_step"]  # recompiled without DP: unbind
+
+
+_original_symbolic_build = internals.TensorFlowTrainer._maybe_symbolic_build
+
+
+def _symbolic_build_multi_worker_safe(self, iterator=None, data_batch=None):
+    """Keras 3.15 averages a distributed batch with ``strategy.reduce`` before
+    building, which fails under MultiWorkerMirroredStrategy in eager mode
+    ("Attempt to convert a value (PerReplica...)"), even for plain Adam. Build
+    from the first local replica's batch instead: only shapes matter."""
+    strategy = self._distribute_strategy
+    if (strategy is None or iterator is None or not isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy)):
+        return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+    for _, _, it in iterator:
+        batch = next(it)
+        data_batch = tree.map_structure(
+            lambda v: strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues) else v, batch)
+        break
+    with strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+def install():
+    """Patch ``keras.Model.compile`` so DP optimizers bind the DP step (idempotent).
+
+    Also gives every model a ``dp_ledger`` property, so the privacy ledger is
+    saved and loaded with the model's weights (``.keras``, ``.weights.h5``),
+    and works around Keras's MultiWorkerMirroredStrategy build failure.
+    """
+    trainer = internals.Trainer
+    if trainer.compile is not _compile_with_dp_binding:
+        trainer.compile = _compile_with_dp_binding
+    if not isinstance(getattr(trainer, "dp_ledger", None), property):
+        trainer.dp_ledger = property(
+            ledger_of, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
+    tf_trainer = internals.TensorFlowTrainer
+    if tf_trainer._maybe_symbolic_build is not _symbolic_build_multi_worker_safe:
+        tf_trainer._maybe_symbolic_build = _symbolic_build_multi_worker_safe
