@@ -1,0 +1,276 @@
+"""``check_privacy``: test the DP step on *your* model, before you train it.
+
+For a model compiled with a keras_dp_lm DP optimizer and a few batches of its
+(preprocessed) training data, :func:`check_privacy`
+
+(a) compares the DP step's per-example gradient norms and clipped sum with a
+    naive loop that differentiates each example's loss on its own (the
+    definition of per-example clipping);
+(b) measures neighbouring-batch sensitivity: the clipped sum without one
+    example must move by at most ``C`` (add/remove adjacency, what the
+    accountant assumes), and with one example replaced by an adversarial one
+    (inputs scaled by 1e3 or random token ids, other labels, sample weight
+    1e9) by at most ``2 C``;
+(c) checks that padding slots (marked with
+    :func:`keras_dp_lm.data.attach_real_slots`) are inert: changing their
+    contents arbitrarily leaves the clipped sum bit-identical;
+(d) reports which variables run on fast clipping rules and which fall back to
+    exact per-example gradients (and why), and, for a model the DP step
+    refuses, the refusal (a pass: it happens before any update).
+
+Nothing is trained: the weights are never updated. The forward pass in
+training mode must be deterministic for (a) and (b) to be meaningful (set
+dropout to 0 for the check). Opacus's grad-sample tests and jax-privacy's
+auditing are the references.
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dp_lm import fast_clipping
+from keras_dp_lm.data import attach_real_slots
+from keras_dp_lm.data import split_real_slots
+from keras_dp_lm.optimizers import is_dp_optimizer
+from keras_dp_lm.training import dp_clipped_gradient
+from keras_dp_lm.training import per_example_losses
+
+_REFUSALS = (ValueError, TypeError, NotImplementedError)
+
+
+@dataclasses.dataclass
+class PrivacyCheckReport:
+    """What :func:`check_privacy` measured; ``passed`` says whether every check held."""
+
+    model_name: str
+    l2_norm_clip: float
+    tolerance: float
+    refused: str = None
+    weights_unchanged: bool = True
+    num_examples: int = 0
+    max_norm_error: float = 0.0
+    max_sum_error: float = 0.0
+    remove_one_ratio: float = 0.0
+    replace_one_ratio: float = 0.0
+    padding_inert: bool = True
+    coverage: dict = dataclasses.field(default_factory=dict)
+    exact_reasons: dict = dataclasses.field(default_factory=dict)
+    failures: list = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self):
+        return not self.failures
+
+    def __str__(self):
+        rows = [("model", self.model_name), ("l2_norm_clip C", f"{self.l2_norm_clip:g}")]
+        if self.refused:
+            rows += [("refused before any update", self.refused.splitlines()[0][:100]),
+                     ("weights unchanged", str(self.weights_unchanged))]
+        else:
+            tol = self.tolerance
+            rows += [
+                ("examples checked", str(self.num_examples)),
+                ("per-example norms vs naive loop", f"max rel. error {self.max_norm_error:.2e}"
+                 f" (<= {tol:g})"),
+                ("clipped sum vs naive loop", f"rel. error {self.max_sum_error:.2e} (<= {tol:g})"),
+                ("remove one example", f"moves the sum by {self.remove_one_ratio:.4f} C (<= 1)"),
+                ("replace one (adversarial)", f"moves the sum by {self.replace_one_ratio:.4f} C"
+                 " (<= 2)"),
+                ("padding slots inert", str(self.padding_inert)),
+                ("coverage", ", ".join(f"{k} {v}" for k, v in sorted(self.coverage.items()))),
+            ]
+            rows += [(f"exact: {path}", reason) for path, reason in self.exact_reasons.items()]
+        rows.append(("result", "PASSED" if self.passed else "FAILED: " + "; ".join(self.failures)))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _leaves(batch):
+    x, y, sample_weight = (tuple(batch) + (None,) * 3)[:3]
+    return x, y, sample_weight
+
+
+def _take(structure, index):
+    return tf.nest.map_structure(
+        lambda t: None if t is None else np.asarray(t)[index], structure)
+
+
+def _flat(grads):
+    return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in grads])
+
+
+def _naive(model, x, y, sample_weight, clip):
+    """Each example alone: its loss (a batch of one), gradient, norm, clip, sum."""
+    variables = model.trainable_variables
+    size = len(tf.nest.flatten(x)[0])
+    total, norms = 0.0, []
+    for i in range(size):
+        xi, yi = _take(x, slice(i, i + 1)), _take(y, slice(i, i + 1))
+        swi = None if sample_weight is None else _take(sample_weight, slice(i, i + 1))
+        with tf.GradientTape() as tape:
+            outputs = model(xi, training=True)
+            loss = tf.reduce_sum(per_example_losses(model, xi, yi, outputs, swi))
+        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                 for g, v in zip(tape.gradient(loss, variables), variables)]
+        flat = _flat(grads)
+        norm = float(np.linalg.norm(flat))
+        norms.append(norm)
+        total = total + (min(1.0, clip / norm) if norm > 0 else 1.0) * flat
+    return np.asarray(norms), total
+
+
+def _adversarial(rng, leaf, scale):
+    leaf = np.asarray(leaf)
+    if leaf.dtype.kind == "f":
+        return (scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
+    if leaf.dtype.kind in "iu":
+        high = max(int(leaf.max()) + 1, 2)
+        return rng.integers(0, high, leaf.shape).astype(leaf.dtype)
+    return leaf[::-1].copy()
+
+
+def _replace(structure, index, rng, scale):
+    def one(t):
+        if t is None:
+            return None
+        t = np.array(t, copy=True)
+        t[index] = _adversarial(rng, t[index:index + 1], scale)[0]
+        return t
+    return tf.nest.map_structure(one, structure)
+
+
+def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, tolerance=None,
+                  seed=0, raise_on_failure=False):
+    """Check the DP step of ``model`` on a few batches; returns a :class:`PrivacyCheckReport`.
+
+    Args:
+        model: a model compiled with a keras_dp_lm DP optimizer (any
+            ``noise_multiplier``: no noise is drawn, nothing is updated).
+        batches: one batch ``(x, y)`` / ``(x, y, sample_weight)`` of arrays, or
+            a list of them, as the model's ``train_step`` receives them (for
+            KerasHub tasks: the preprocessor's output).
+        num_examples: how many examples of each batch to remove / replace for
+            the sensitivity checks.
+        adversarial_scale: scale of the adversarial float inputs.
+        tolerance: relative tolerance of (a) and of the bounds in (b);
+            default 1e-4, 2e-2 when the compute dtype is bfloat16 (the naive
+            loop then differs by bfloat16 rounding; the bound itself is exact to
+            float32 rounding, checked at 1e-5).
+        seed: seed of the adversarial examples.
+        raise_on_failure: raise ``AssertionError`` with the report if a check fails.
+
+    Example:
+        >>> import keras, numpy as np, keras_dp_lm as kdp
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        >>> model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=1.0),
+        ...               loss="mse")
+        >>> x, y = np.random.default_rng(0).normal(size=(2, 6, 4)).astype("float32")[0], \\
+        ...     np.zeros((6, 3), "float32")
+        >>> report = kdp.testing.check_privacy(model, (x, y))
+        >>> report.passed, round(report.remove_one_ratio, 3)
+        (True, 1.0)
+        >>> print(report)  # doctest: +ELLIPSIS
+        model ...
+        result ... PASSED
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not is_dp_optimizer(optimizer):
+        raise ValueError("check_privacy needs a model compiled with a keras_dp_lm DP "
+                         "optimizer, e.g. model.compile(optimizer=kdp.DPSGD(...), loss=...).")
+    batches = [batches] if isinstance(batches, tuple) else list(batches)
+    clip = float(optimizer.l2_norm_clip)
+    compute = getattr(getattr(model, "dtype_policy", None), "compute_dtype", "float32")
+    if tolerance is None:
+        tolerance = 2e-2 if compute == "bfloat16" else 1e-4
+    bound_tol = 1e-5 if compute == "bfloat16" else tolerance
+    report = PrivacyCheckReport(model_name=getattr(model, "name", type(model).__name__),
+                                l2_norm_clip=clip, tolerance=tolerance)
+    before = [np.array(v.numpy()) for v in model.trainable_variables]
+
+    @tf.function(reduce_retracing=True)
+    def clipped(x, y, sample_weight):
+        result = dp_clipped_gradient(model, (x, y, sample_weight))
+        return result.grads, result.norms
+
+    def step(x, y, sample_weight):
+        grads, norms = clipped(x, y, sample_weight)
+        return _flat([g.numpy() for g in grads]), norms.numpy()
+
+    rng = np.random.default_rng(seed)
+    try:
+        for batch in batches:
+            x, y, sample_weight = _leaves(batch)
+            mask, _, weight = split_real_slots(sample_weight)
+            if mask is not None:
+                raise ValueError("Pass unpadded batches; check_privacy adds its own padding.")
+            size = len(tf.nest.flatten(x)[0])
+            full, norms = step(x, y, sample_weight)
+            again, _ = step(x, y, sample_weight)
+            if not np.allclose(full, again, rtol=1e-6, atol=0.0):
+                report.failures.append(
+                    "the training forward pass is not deterministic (two steps on the same "
+                    "batch differ), so nothing can be compared: set dropout (and other "
+                    "training-time randomness) to 0 for the check")
+                break
+            ref_norms, ref_sum = _naive(model, x, y, weight, clip)
+            report.num_examples += size
+            report.max_norm_error = max(report.max_norm_error, float(np.max(
+                np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-12))))
+            report.max_sum_error = max(report.max_sum_error, float(
+                np.linalg.norm(full - ref_sum) / max(np.linalg.norm(ref_sum), 1e-12)))
+            for i in range(min(num_examples, size)):
+                keep = np.ones(size, "float32")
+                keep[i] = 0.0
+                removed, _ = step(x, y, attach_real_slots(sample_weight, keep))
+                report.remove_one_ratio = max(report.remove_one_ratio,
+                                              float(np.linalg.norm(full - removed)) / clip)
+                adv_x = _replace(x, i, rng, adversarial_scale)
+                adv_y = _replace(y, i, rng, adversarial_scale)
+                adv_w = sample_weight
+                if sample_weight is not None:
+                    adv_w = np.array(sample_weight, dtype="float32", copy=True)
+                    adv_w[i] = 1e9
+                replaced, _ = step(adv_x, adv_y, adv_w)
+                report.replace_one_ratio = max(report.replace_one_ratio,
+                                               float(np.linalg.norm(full - replaced)) / clip)
+            # padding: two extra slots with arbitrary contents change nothing
+            pad = np.concatenate([np.ones(size, "float32"), np.zeros(2, "float32")])
+            index = np.concatenate([np.arange(size), rng.integers(0, size, 2)])
+            px, py = _take(x, index), _take(y, index)
+            pw = None if sample_weight is None else _take(sample_weight, index)
+            first, _ = step(px, py, attach_real_slots(pw, pad))
+            qx = _replace(_replace(px, size, rng, adversarial_scale), size + 1, rng,
+                          adversarial_scale)
+            qy = _replace(_replace(py, size, rng, adversarial_scale), size + 1, rng,
+                          adversarial_scale)
+            second, _ = step(qx, qy, attach_real_slots(pw, pad))
+            report.padding_inert = report.padding_inert and bool(np.array_equal(first, second))
+    except _REFUSALS as error:
+        report.refused = f"{type(error).__name__}: {error}"
+    after = [np.array(v.numpy()) for v in model.trainable_variables]
+    report.weights_unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
+    if report.refused is None:
+        coverage = fast_clipping.clipping_coverage(model)
+        report.coverage = {k: sum(1 for v in coverage.values() if v == k)
+                           for k in set(coverage.values())}
+        report.exact_reasons = {
+            v.path: fast_clipping.exact_reason(model, v) for v in model.trainable_variables
+            if coverage.get(v.path) == "exact"}
+        if report.max_norm_error > tolerance:
+            report.failures.append(f"per-example norms differ by {report.max_norm_error:.2e}")
+        if report.max_sum_error > tolerance:
+            report.failures.append(f"clipped sum differs by {report.max_sum_error:.2e}")
+        if report.remove_one_ratio > 1 + bound_tol:
+            report.failures.append(f"removing one example moved the sum by "
+                                   f"{report.remove_one_ratio:.4f} C")
+        if report.replace_one_ratio > 2 * (1 + bound_tol):
+            report.failures.append(f"replacing one example moved the sum by "
+                                   f"{report.replace_one_ratio:.4f} C")
+        if not report.padding_inert:
+            report.failures.append("padding slots changed the clipped sum")
+    if not report.weights_unchanged:
+        report.failures.append("the weights changed")
+    if raise_on_failure and not report.passed:
+        raise AssertionError(str(report))
+    return report

@@ -1,0 +1,226 @@
+"""``check_privacy`` on a zoo of models: every one passes, or is refused before any update.
+
+The zoo covers the classes of the adversarial review (shared-input einsums,
+reparametrised Dense subclasses, covered layers used inside other layers, RNN
+cells, LoRA, bfloat16, KerasHub causal LMs and classifiers) so a regression in
+any of them fails here through the same public checker users run.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dp_lm as kdp
+from keras_dp_lm import testing
+
+pytestmark = pytest.mark.zoo
+
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _compile(model, loss="mse", clip=0.05):
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=clip, noise_multiplier=1.0), loss=loss)
+    return model
+
+
+def _dense_batch(seed, shape, out):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=shape).astype("float32"),
+            rng.normal(size=(shape[0], out)).astype("float32"))
+
+
+class _WeightNormDense(keras.layers.Dense):
+    @property
+    def kernel(self):
+        return 3.0 * self._kernel / keras.ops.norm(self._kernel)
+
+
+class _Cell(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.state_size = units, units
+        self.dense = keras.layers.Dense(units, activation="tanh")
+
+    def build(self, shape):
+        self.dense.build((shape[0], shape[-1] + self.units))
+
+    def call(self, inputs, states):
+        h = self.dense(keras.ops.concatenate([inputs, states[0]], axis=-1))
+        return h, [h]
+
+
+def shared_input_einsums():
+    inputs = keras.Input((4, 16))
+    a = keras.layers.EinsumDense("abc,cd->abd", output_shape=(4, 8))(inputs)
+    b = keras.layers.EinsumDense("abc,bcd->ad", output_shape=(8,))(inputs)
+    out = keras.layers.Dense(3)(keras.layers.Flatten()(a)) + keras.layers.Dense(3)(b)
+    return _compile(keras.Model(inputs, out)), _dense_batch(0, (6, 4, 16), 3)
+
+
+def weight_norm_dense():
+    model = keras.Sequential([keras.Input((4,)), _WeightNormDense(3)])
+    return _compile(model), _dense_batch(1, (6, 4), 3)
+
+
+def dense_as_activation():
+    inner = keras.layers.Dense(3)
+    inner.build((None, 3))
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, activation=inner)(inputs)
+    return _compile(keras.Model(inputs, keras.layers.Dense(2)(hidden))), _dense_batch(2, (6, 4), 2)
+
+
+def rnn_with_dense_cell():
+    model = keras.Sequential([keras.Input((4, 3)), keras.layers.RNN(_Cell(5)),
+                              keras.layers.Dense(2)])
+    return _compile(model), _dense_batch(3, (6, 4, 3), 2)
+
+
+def lora_dense():
+    dense = keras.layers.Dense(3)
+    model = keras.Sequential([keras.Input((4,)), dense])
+    dense.enable_lora(2)
+    return _compile(model), _dense_batch(4, (6, 4), 3)
+
+
+def conv1d_token_model():
+    inputs = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(40, 8)(inputs)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.Conv1D(8, 3, padding="same")(h)
+    model = keras.Model(inputs, keras.layers.Dense(40)(h))
+    rng = np.random.default_rng(5)
+    batch = (rng.integers(0, 40, (6, 8)).astype("int32"),
+             rng.integers(0, 40, (6, 8)).astype("int32"))
+    return _compile(model, SCE), batch
+
+
+class _CountingDense(keras.layers.Dense):
+    """Writes a non-trainable variable in ``call``: per-example state the step cannot clip."""
+
+    def build(self, shape):
+        super().build(shape)
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, inputs):
+        self.calls.assign_add(1.0)
+        return super().call(inputs)
+
+
+def state_writing_model():
+    model = keras.Sequential([keras.Input((4,)), _CountingDense(2)])
+    return _compile(model), _dense_batch(6, (6, 4), 2)
+
+
+def tiny_gpt2():
+    lm = testing.tiny_gpt2_causal_lm(vocabulary_size=300, num_layers=1, hidden_dim=16,
+                                     sequence_length=12)
+    lm.compile(optimizer=kdp.DPAdam(1e-3, l2_norm_clip=0.1, noise_multiplier=1.0),
+               loss=SCE, weighted_metrics=[])
+    x, y, w = lm.preprocessor(["Shall I compare thee", "to a summer's day?", "Thou art",
+                               "more lovely and more temperate"])
+    return lm, (x, y, w)
+
+
+def tiny_llama():
+    lm = testing.tiny_llama_causal_lm(vocabulary_size=512, num_layers=1, hidden_dim=16,
+                                      sequence_length=12)
+    lm.compile(optimizer=kdp.DPAdam(1e-3, l2_norm_clip=0.1, noise_multiplier=1.0),
+               loss=SCE, weighted_metrics=[])
+    x, y, w = lm.preprocessor(["Rough winds do shake", "the darling buds of May,",
+                               "And summer's lease", "hath all too short a date"])
+    return lm, (x, y, w)
+
+
+def tiny_bert_classifier():
+    import keras_hub
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=60, num_layers=1, num_heads=2,
+                                             hidden_dim=16, intermediate_dim=32,
+                                             max_sequence_length=10, dropout=0.0)
+    model = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2,
+                                                preprocessor=None, dropout=0.0)
+    model.compile(optimizer=kdp.DPAdam(1e-3, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss=SCE)
+    rng = np.random.default_rng(7)
+    x = {"token_ids": rng.integers(0, 60, (4, 10)).astype("int32"),
+         "segment_ids": np.zeros((4, 10), "int32"),
+         "padding_mask": np.ones((4, 10), "bool")}
+    return model, (x, rng.integers(0, 2, (4,)).astype("int32"))
+
+
+ZOO = [shared_input_einsums, weight_norm_dense, dense_as_activation, rnn_with_dense_cell,
+       lora_dense, conv1d_token_model, tiny_gpt2, tiny_llama, tiny_bert_classifier]
+
+
+@pytest.mark.parametrize("build", ZOO, ids=[f.__name__ for f in ZOO])
+def test_zoo_model_passes_the_privacy_check(build):
+    keras.utils.set_random_seed(0)
+    model, batch = build()
+    report = testing.check_privacy(model, batch, num_examples=2)
+    assert report.refused is None, report.refused
+    assert report.passed, str(report)
+    assert report.remove_one_ratio <= 1.0 + 1e-4 and report.replace_one_ratio <= 2.0 + 2e-4
+    assert report.remove_one_ratio > 0.3, "no example reached the clip: the check saw nothing"
+    assert report.padding_inert and report.weights_unchanged
+    assert "model" in str(report) and "PASSED" in str(report)
+
+
+def test_refused_model_is_reported_as_refused_with_weights_unchanged():
+    model, batch = state_writing_model()
+    report = testing.check_privacy(model, batch)
+    assert report.refused and "non-trainable" in report.refused, report.refused
+    assert report.weights_unchanged and report.passed
+    assert "refused before any update" in str(report)
+
+
+def test_batch_norm_is_refused_at_compile():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        _compile(model)
+
+
+def test_dropout_makes_the_check_fail_with_the_fix_named():
+    model = _compile(keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                       keras.layers.Dropout(0.5), keras.layers.Dense(2)]))
+    report = testing.check_privacy(model, _dense_batch(8, (6, 4), 2))
+    assert not report.passed and "dropout" in " ".join(report.failures)
+
+
+@pytest.fixture
+def bfloat16_policy():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_bfloat16_model_passes_at_bfloat16_tolerance(bfloat16_policy):
+    model, batch = conv1d_token_model()
+    report = testing.check_privacy(model, batch, num_examples=2)
+    assert report.passed, str(report)
+    assert report.tolerance == 2e-2
+
+
+def test_a_broken_step_fails_the_check(monkeypatch):
+    """The checker is not vacuous: a step that forgets to clip one example fails it."""
+    from keras_dp_lm.testing import privacy_check
+    real = privacy_check.dp_clipped_gradient
+
+    def leaky(model, batch):
+        result = real(model, batch)
+        return result._replace(grads=[3.0 * g for g in result.grads])
+
+    monkeypatch.setattr(privacy_check, "dp_clipped_gradient", leaky)
+    model, batch = weight_norm_dense()
+    report = testing.check_privacy(model, batch, num_examples=2)
+    assert not report.passed
+    assert any("moved the sum" in f for f in report.failures)
+    with pytest.raises(AssertionError, match="FAILED"):
+        testing.check_privacy(model, batch, num_examples=1, raise_on_failure=True)
+
+
+def test_check_privacy_needs_a_dp_optimizer():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="DP"):
+        testing.check_privacy(model, _dense_batch(0, (4, 4), 3))
