@@ -64,7 +64,7 @@ def _worker(mode, batch, steps, warmup):
     import tensorflow as tf
 
     import keras_dp_lm as kdp
-    from keras_dp_lm import fast_clipping
+    from keras_dp_lm import clipping as fast_clipping
 
     lm, ids, mask = _gpt2_and_tokens(batch)
     x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
@@ -130,7 +130,7 @@ def _worker_ab(batch, rounds):
     import keras
     import tensorflow as tf
 
-    from keras_dp_lm import fast_clipping
+    from keras_dp_lm import clipping as fast_clipping
 
     lm, ids, mask = _gpt2_and_tokens(batch)
     ids, mask = tf.constant(ids), tf.constant(mask)

@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from keras_dp_lm import fast_clipping
+from keras_dp_lm import clipping
 from keras_dp_lm.data import attach_real_slots
 from keras_dp_lm.data import split_real_slots
 from keras_dp_lm.optimizers import is_dp_optimizer
@@ -251,11 +251,11 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
     after = [np.array(v.numpy()) for v in model.trainable_variables]
     report.weights_unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
     if report.refused is None:
-        coverage = fast_clipping.clipping_coverage(model)
+        coverage = clipping.clipping_coverage(model)
         report.coverage = {k: sum(1 for v in coverage.values() if v == k)
                            for k in set(coverage.values())}
         report.exact_reasons = {
-            v.path: fast_clipping.exact_reason(model, v) for v in model.trainable_variables
+            v.path: clipping.exact_reason(model, v) for v in model.trainable_variables
             if coverage.get(v.path) == "exact"}
         if report.max_norm_error > tolerance:
             report.failures.append(f"per-example norms differ by {report.max_norm_error:.2e}")

@@ -11,7 +11,7 @@ import tensorflow as tf
 import keras
 
 import keras_dp_lm as kdp
-from keras_dp_lm import fast_clipping as fc
+from keras_dp_lm import clipping as fc
 from keras_dp_lm.training import dp_clipped_gradient
 from reference import max_relative_error, naive_clipped_sum
 

@@ -1,0 +1,81 @@
+"""Small shape and layer helpers shared by the clipping engines and rules."""
+
+import functools
+
+import tensorflow as tf
+
+
+def _static(dim):
+    return dim if isinstance(dim, int) else None
+
+
+def _prod(dims):
+    out = 1
+    for d in dims:
+        if d is None:
+            return None
+        out *= d
+    return out
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _as_float(x):
+    x = tf.convert_to_tensor(x)
+    return x if x.dtype.is_floating else tf.cast(x, tf.float32)
+
+
+def _sum_except_batch(x):
+    return tf.reduce_sum(x, axis=list(range(1, x.shape.rank)))
+
+
+def _reduce_to_shape(g, shape):
+    """Per-example gradient of a variable of ``shape`` broadcast (right-aligned)
+    against ``g`` = ``[B, ...]``: sum ``g`` over the broadcast axes."""
+    rank, r = g.shape.rank, len(shape)
+    if rank - r < 1:
+        return None
+    lead = list(range(1, rank - r))
+    if lead:
+        g = tf.reduce_sum(g, axis=lead)
+    trail = [1 + j for j in range(r) if shape[j] == 1 and g.shape[1 + j] != 1]
+    if trail:
+        g = tf.reduce_sum(g, axis=trail, keepdims=True)
+    return tf.reshape(g, [-1] + list(shape))
+
+
+def _var_path(v):
+    return getattr(v, "path", None) or v.name
+
+
+def _plain(layer):
+    """No LoRA, no quantization, no per-instance ``call``: the class's computation."""
+    return (getattr(layer, "quantization_mode", None) is None
+            and not getattr(layer, "lora_enabled", False)
+            and "call" not in layer.__dict__)
+
+
+def _orig(layer):
+    return functools.partial(type(layer).call, layer)
+
+
+def _inbound_shape(layer):
+    """Static input shape of a layer's first call in a functional graph, if any."""
+    try:
+        return tuple(layer._inbound_nodes[0].input_tensors[0].shape)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _keras_hub_class(path, name):
+    try:
+        import importlib
+        return getattr(importlib.import_module(path), name)
+    except Exception:  # pragma: no cover - keras_hub missing or moved
+        return None
+
+
+def _layer_desc(layer):
+    return f"{layer.path if getattr(layer, 'path', None) else layer.name} ({type(layer).__name__})"

@@ -1,0 +1,211 @@
+"""``fast_clipped_sum``: ghost clipping and book-keeping over a whole model.
+
+Ghost clipping (Li et al., 2022, "Large language models can be strong
+differentially private learners") and book-keeping (Bu et al., 2023,
+"Differentially private optimization on large model at small cost").
+
+How it works
+------------
+One batched forward pass runs ``loss_fn(data)`` while every *covered* layer's
+``call`` is temporarily replaced by a recording version that computes the same
+output, records the layer input ``a`` and the pre-activation output ``z`` and
+lets the gradient tape watch ``z``.  One backward pass,
+``tape.gradient(sum(losses), [z...])``, gives every output gradient ``g``; it
+never forms a weight gradient.  From ``a`` and ``g``:
+
+* per-example gradient norms, per variable, by whichever is cheaper
+  (a FLOP model with memory caps, decided at trace time from static shapes):
+
+  - ghost norm: ``||a_i^T g_i||^2 = sum_{t,s} (a_t.a_s)(g_t.g_s)``
+    (cost ~ T^2 (m + n) per example), or
+  - instantiating the per-example gradient ``a_i^T g_i`` (cost ~ T m n) just
+    long enough to take its norm;
+
+  embedding lookups use ``sum_{t,s} [id_t == id_s] (g_t.g_s)``; a tied
+  ``ReversibleEmbedding`` (lookup + ``reverse=True`` projection on one
+  variable) adds the cross term ``2 sum_{t,s} dlogits_s[id_t] (g_t.h_s)``, so
+  the norm is that of the *summed* per-example gradient;  LayerNorm / RMS norm
+  scales and all biases instantiate their (tiny) per-example gradients;
+
+* the clipped sum by book-keeping: ``sum_i c_i a_i^T g_i`` as one matmul over
+  all ``B*T`` rows with ``c_i = min(1, C / ||grad_i||)`` folded into the
+  smaller factor.  That matmul is the weight-gradient matmul a normal
+  backward pass does anyway, so no second backward pass is needed.  (A second
+  backward pass of ``sum_i c_i loss_i`` would recompute every activation
+  gradient as well: about twice the work of book-keeping on CPU.)
+
+Variables with no rule ("uncovered": e.g. a ``Conv1D`` kernel, LoRA or
+quantized layers, layers whose ``call`` is overridden) get exact per-example
+gradients from a ``tf.map_fn`` over one-example slices of ``data`` (exact but
+slow) with ``method="auto"``; ``method="fast"`` raises
+:class:`UncoveredLayersError` instead.  A covered variable that is also read
+outside its layer's ``call`` is detected at trace time (a second tape watches
+variable reads outside covered calls) and treated as uncovered.
+
+Nothing here uses ``tf.vectorized_map`` / pfor, so it runs with oneDNN on
+(see DESIGN.md), in eager mode, inside ``tf.function`` and with
+``jit_compile=True``.
+
+Notes:
+
+* The model must be built (its variables must exist) before the call.
+* A weight regularizer reads its variable outside the layer's ``call``, so
+  that variable is treated as uncovered (exact in "auto", refused in "fast").
+* With dropout and uncovered variables, the exact fallback's one-example
+  forward passes draw their own dropout masks; the clipping bound still holds
+  because the norm is that of exactly the vector that is clipped and summed.
+* Thread-safe for ``tf.distribute`` replica threads: the wrappers are
+  installed once and look up the recording of the calling thread.
+"""
+
+import collections
+import weakref
+
+import tensorflow as tf
+
+from keras_dp_lm.clipping._common import _as_float
+from keras_dp_lm.clipping._common import _static
+from keras_dp_lm.clipping._common import _sum_except_batch
+from keras_dp_lm.clipping._common import _var_path
+from keras_dp_lm.clipping.exact import _tf_variable
+from keras_dp_lm.clipping.exact import per_example_gradients
+from keras_dp_lm.clipping.ghost import _Grams
+from keras_dp_lm.clipping.ghost import _choose
+from keras_dp_lm.clipping.ghost import _sq_norm
+from keras_dp_lm.clipping.interface import ClippedSum
+from keras_dp_lm.clipping.interface import UncoveredLayersError
+from keras_dp_lm.clipping.interface import clip_factors
+from keras_dp_lm.clipping.interface import losses_and_outputs
+from keras_dp_lm.clipping.recording import _Plan
+from keras_dp_lm.clipping.recording import _Recorder
+from keras_dp_lm.clipping.recording import _recording
+
+_LAST_DECISIONS = weakref.WeakKeyDictionary()
+_LAST_REASONS = weakref.WeakKeyDictionary()
+
+
+def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None):
+    """Per-example gradient norms and the sum of clipped per-example gradients.
+
+    Args:
+        model: a built Keras 3 model (TensorFlow backend).
+        loss_fn: ``loss_fn(data) -> [B]`` per-example losses, running the model
+            forward (``training=True``) on the batch; each example's loss must
+            depend on that example only.  It may also return
+            ``(losses, model_outputs)``: the outputs of the batched forward
+            pass are then returned as ``ClippedSum.outputs`` (e.g. for metrics,
+            saving the DP step a second forward pass).
+        data: nested structure of tensors with leading batch dimension ``B``.
+        l2_norm_clip: clip norm ``C``; ``c_i = min(1, C / ||grad_i||)``.
+        method: ``"auto"`` (fast rules for covered variables, exact per-example
+            gradients for the rest) or ``"fast"`` (raise
+            :class:`UncoveredLayersError` if any trainable variable is uncovered).
+        slot_mask: optional ``[B]``, 0 on padding slots: their clip factor is 0,
+            so they add exactly nothing to the clipped sum.
+
+    Returns:
+        :class:`ClippedSum` ``(grads, norms, losses, outputs)``: ``grads``
+        aligned with ``model.trainable_variables`` (clipped sum, no noise, not
+        divided; zeros for variables the loss does not touch), ``norms``
+        ``[B]`` per-example global norms before clipping, ``losses`` ``[B]``,
+        ``outputs`` as described under ``loss_fn`` (else ``None``).
+
+    Raises:
+        UncoveredLayersError: with ``method="fast"``, listing the layers and
+            variables that have no fast rule (or that are read outside their
+            layer's ``call``).
+    """
+    if method not in ("auto", "fast"):
+        raise ValueError(f"method must be 'auto' or 'fast', got {method!r}")
+    plan = _Plan(model)
+    if method == "fast" and plan.uncovered:
+        raise UncoveredLayersError(plan.describe(plan.uncovered))
+
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        with tf.GradientTape(watch_accessed_variables=True) as detect:
+            rec = _Recorder(plan, tape, detect)
+            with _recording(rec):
+                losses, outputs = losses_and_outputs(loss_fn(data))
+        losses = _as_float(losses)
+        total = tf.reduce_sum(losses)
+
+    outside = {v.ref() for v in detect.watched_variables()}
+
+    def read_outside(v):
+        tv = _tf_variable(v)
+        try:
+            return tv.ref() in outside
+        except (AttributeError, TypeError):
+            return False
+
+    exact, reasons = [], {}
+    for v in plan.trainable:
+        if id(v) not in plan.covered:
+            exact.append(v)
+        elif id(v) in rec.bad:
+            exact.append(v)
+            reasons[id(v)] = rec.bad[id(v)]
+        elif read_outside(v):
+            exact.append(v)
+            reasons[id(v)] = "read outside its layer's call"
+    if method == "fast" and exact:
+        raise UncoveredLayersError(
+            plan.describe(exact),
+            reason="; ".join(sorted(set(reasons.values()))) or None)
+    exact_ids = {id(v) for v in exact}
+
+    by_var = collections.OrderedDict()
+    for c in rec.contribs:
+        if id(c.var) not in exact_ids:
+            by_var.setdefault(id(c.var), []).append(c)
+    calls = [call for call in rec.calls
+             if any(c.call is call for cs in by_var.values() for c in cs)]
+    if calls:
+        gz = tape.gradient(total, [call.z for call in calls],
+                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        for call, g in zip(calls, gz):
+            call.g = tf.convert_to_tensor(g)
+
+    batch = _static(losses.shape[0]) if losses.shape.rank else None
+    B = batch if batch is not None else tf.shape(losses)[0]
+    sq = tf.zeros([B], tf.float32)
+    grams = _Grams()
+    decisions = {}
+    for key, contribs in by_var.items():
+        for c in contribs:
+            c.prepare()
+        choice = _choose(contribs, batch)
+        decisions[_var_path(contribs[0].var)] = choice
+        sq = sq + _sq_norm(contribs, choice, grams)
+
+    per_example = {}
+    if exact:
+        pe = per_example_gradients(loss_fn, data, exact, B)
+        for v, g in zip(exact, pe):
+            per_example[id(v)] = g
+            sq = sq + _sum_except_batch(tf.square(tf.cast(g, tf.float32)))
+            decisions[_var_path(v)] = "exact"
+
+    norms = tf.sqrt(sq)
+    factors = clip_factors(norms, l2_norm_clip, slot_mask)
+
+    grads = []
+    for v in plan.trainable:
+        if id(v) in per_example:
+            g = tf.cast(per_example[id(v)], tf.float32)
+            grads.append(tf.cast(tf.tensordot(factors, g, axes=1), tf.as_dtype(v.dtype)))
+        elif id(v) in by_var:
+            g = None
+            for c in by_var[id(v)]:
+                part = c.clipped(factors)
+                g = part if g is None else g + part
+            grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
+        else:
+            grads.append(tf.zeros(v.shape, tf.as_dtype(v.dtype)))
+    try:
+        _LAST_DECISIONS[model] = decisions
+        _LAST_REASONS[model] = {_var_path(v): r for v in plan.trainable
+                                for r in [reasons.get(id(v))] if r}
+    except TypeError:  # pragma: no cover
+        pass
+    return ClippedSum(grads=grads, norms=norms, losses=losses, outputs=outputs)

@@ -1,0 +1,258 @@
+"""The ghost-norm / book-keeping core: recorded contributions and their norms.
+
+A covered layer's recording forward pass (see :mod:`keras_dp_lm.clipping.rules`)
+adds one *contribution* per use of a variable: a linear map ``X^T Y`` of the
+layer input and output gradient (:class:`_Linear`), a table lookup
+(:class:`_Lookup`) or a tiny per-example gradient (:class:`_PerExample`).
+From them this module computes each example's squared gradient norm, by the
+ghost norm (Gram matrices, never forming the gradient) or by instantiating
+the per-example gradient, whichever a FLOP model with memory caps finds
+cheaper, and the clipped sum by book-keeping (one matmul with the clip
+factors folded into the smaller factor).
+"""
+
+import tensorflow as tf
+
+from keras_dp_lm.clipping._common import _or
+from keras_dp_lm.clipping._common import _prod
+from keras_dp_lm.clipping._common import _static
+from keras_dp_lm.clipping._common import _sum_except_batch
+
+# Caps on the transient memory of one variable's norm computation.  Above the
+# cap the other method is used (if that one fits; else the smaller one).
+_INSTANTIATE_MAX_BYTES = 256 * 2**20
+_GHOST_MAX_BYTES = 256 * 2**20
+# Sequence length assumed for cost decisions when it is not static.
+_DEFAULT_T = 512
+
+
+class _Call:
+    """One call of a covered layer: its watched output ``z`` (and later ``g``)."""
+
+    def __init__(self, layer, z):
+        self.layer, self.z, self.g = layer, z, None
+
+
+class _Linear:
+    """Per-example gradient ``to_var(sum_{h,t} X[i,h,t,:]^T Y[i,h,t,:])``.
+
+    ``factors(g) -> (X [B,H,T,m], Y [B,H,T,n])``.  ``rows=True`` means the
+    variable is ``[m, n]`` with ``X`` indexing its rows (the tied reverse
+    projection: X = dlogits over the vocabulary, Y = hidden states), which a
+    lookup contribution on the same variable can form a cross term with.
+    ``keys`` identify X and Y for sharing Gram matrices between contributions
+    whose factors are the same tensor (query/key/value projections of one x).
+    """
+
+    kind = "linear"
+
+    def __init__(self, var, call, factors, to_var, hmtn, layout, keys,
+                 rows=False):
+        self.var, self.call, self._factors, self.to_var = var, call, factors, to_var
+        self.H, self.m, self.T, self.n = hmtn
+        self.layout, self.keys, self.rows = layout, keys, rows
+
+    def prepare(self):
+        # float32 whatever the compute dtype: the norm is that of exactly the
+        # vector summed, to float32 rounding (mixed_bfloat16 included).
+        self.X, self.Y = (tf.cast(t, tf.float32) for t in self._factors(self.call.g))
+
+    def inst_cost(self):
+        return _or(self.H, 1) * _or(self.T, _DEFAULT_T) * _or(self.m, 1) * _or(self.n, 1)
+
+    def instantiate(self):
+        return self.to_var(tf.einsum("bhtm,bhtn->bhmn", self.X, self.Y), True)
+
+    def clipped(self, c):
+        X, Y = self.X, self.Y
+        c4 = tf.reshape(tf.cast(c, X.dtype), [-1, 1, 1, 1])
+        if _or(self.n, 0) <= _or(self.m, 0):
+            Y = Y * c4
+        else:
+            X = X * c4
+        if self.H == 1 and self.m is not None and self.n is not None:
+            mat = tf.matmul(tf.reshape(X, [-1, self.m]), tf.reshape(Y, [-1, self.n]),
+                            transpose_a=True)[None]
+        else:
+            mat = tf.einsum("bhtm,bhtn->hmn", X, Y)
+        return self.to_var(mat, False)
+
+
+class _Lookup:
+    """Per-example gradient ``sum_t onehot(ids[i,t]) g[i,t,:]^T`` of a ``[V, d]`` table."""
+
+    kind = "lookup"
+
+    def __init__(self, var, call, ids, distinct=False):
+        self.var, self.call, self.distinct = var, call, distinct
+        ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            ids = tf.cast(ids, tf.int32)
+        self.ids_raw = ids
+        self.V, self.d = (_static(s) for s in var.shape)
+        self.T = _prod([_static(s) for s in ids.shape[1:]])
+
+    def prepare(self):
+        g = tf.cast(tf.convert_to_tensor(self.call.g), tf.float32)
+        self.G = tf.reshape(g, [-1, _or(self.T, -1), self.d])
+        self.ids = tf.reshape(tf.cast(self.ids_raw, tf.int32), [-1, _or(self.T, -1)])
+        self.ids.set_shape(self.G.shape[:2])
+
+    def inst_cost(self):
+        return _or(self.T, _DEFAULT_T) * _or(self.d, 1)
+
+    def instantiate(self):
+        B = tf.shape(self.G)[0]
+        offs = self.ids + tf.range(B)[:, None] * self.V
+        flat = tf.math.unsorted_segment_sum(tf.reshape(self.G, [-1, self.d]),
+                                            tf.reshape(offs, [-1]), B * self.V)
+        return tf.reshape(flat, [-1, self.V, self.d])
+
+    def clipped(self, c):
+        G = self.G * tf.reshape(tf.cast(c, self.G.dtype), [-1, 1, 1])
+        return tf.math.unsorted_segment_sum(tf.reshape(G, [-1, self.d]),
+                                            tf.reshape(self.ids, [-1]), self.V)
+
+
+class _PerExample:
+    """A per-example gradient that is cheap to instantiate: ``fn(g) -> [B, *shape]``."""
+
+    kind = "dense"
+
+    def __init__(self, var, call, fn):
+        self.var, self.call, self._fn = var, call, fn
+
+    def prepare(self):
+        self.P = tf.cast(self._fn(tf.convert_to_tensor(self.call.g)), tf.float32)
+
+    def inst_cost(self):
+        return _prod([_static(s) for s in self.var.shape]) or 1
+
+    def instantiate(self):
+        return self.P
+
+    def clipped(self, c):
+        return tf.tensordot(tf.cast(c, self.P.dtype), self.P, axes=1)
+
+
+class _Grams:
+    """Cache of per-example Gram matrices keyed by factor identity.
+
+    A key names everything that determines the factor (the source tensor, the
+    einsum that permutes it and the ``[B, H, T, m]`` reshape), so two layers
+    share a Gram only when their factors are the same tensor (e.g. the query,
+    key and value projections of one input); ``None`` is never cached.
+    """
+
+    def __init__(self):
+        self._cache = {}
+
+    def get(self, key_a, a, key_b, b):
+        if key_a is not None and key_b is not None:
+            key = (key_a, key_b) if str(key_a) <= str(key_b) else (key_b, key_a)
+            swap = key != (key_a, key_b)
+            if key in self._cache:
+                gram = self._cache[key]
+                return tf.linalg.matrix_transpose(gram) if swap else gram
+        gram = tf.matmul(a, b, transpose_b=True)
+        if key_a is not None and key_b is not None:
+            self._cache[key] = tf.linalg.matrix_transpose(gram) if swap else gram
+        return gram
+
+
+def _ghostable(a, b):
+    if a.kind == "linear" and b.kind == "linear":
+        return a.layout == b.layout
+    if a.kind == "lookup" and b.kind == "lookup":
+        return True
+    if {a.kind, b.kind} == {"lookup", "linear"}:
+        lin = a if a.kind == "linear" else b
+        return lin.rows and lin.H == 1
+    return False
+
+
+def _pair_cost(a, b):
+    if a.kind == "linear" and b.kind == "linear":
+        return (_or(a.H, 1) * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
+                * (_or(a.m, 1) + _or(a.n, 1) + 1))
+    if a.kind == "lookup" and b.kind == "lookup":
+        if a is b and a.distinct:
+            return _or(a.T, _DEFAULT_T) * _or(a.d, 1)
+        return _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T) * (_or(a.d, 1) + 1)
+    lin, lk = (a, b) if a.kind == "linear" else (b, a)
+    return _or(lin.T, _DEFAULT_T) * _or(lk.T, _DEFAULT_T) * (_or(lk.d, 1) + 2)
+
+
+def _pair_mem(a, b):
+    """Floats per example of the Gram matrices a ghost pair needs."""
+    if a.kind == "linear" and b.kind == "linear":
+        return 2 * _or(a.H, 1) * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
+    if a is b and a.kind == "lookup" and a.distinct:
+        return 0
+    return 2 * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
+
+
+def _inner(a, b, grams):
+    """Per-example inner product <grad_a_i, grad_b_i>, shape [B]."""
+    if a.kind == "linear" and b.kind == "linear":
+        xx = grams.get(a.keys[0], a.X, b.keys[0], b.X)
+        yy = grams.get(a.keys[1], a.Y, b.keys[1], b.Y)
+        return tf.reduce_sum(xx * yy, axis=[1, 2, 3])
+    if a.kind == "lookup" and b.kind == "lookup":
+        if a is b and a.distinct:
+            return tf.reduce_sum(tf.square(a.G), axis=[1, 2])
+        same = tf.cast(tf.equal(a.ids[:, :, None], b.ids[:, None, :]), a.G.dtype)
+        return tf.reduce_sum(same * tf.matmul(a.G, b.G, transpose_b=True), axis=[1, 2])
+    lin, lk = (a, b) if a.kind == "linear" else (b, a)
+    # <sum_t e_{id_t} g_t^T, sum_s x_s h_s^T> = sum_{t,s} x_s[id_t] (g_t . h_s)
+    x = lin.X[:, 0]                                            # [B, S, V]
+    h = lin.Y[:, 0]                                            # [B, S, d]
+    picked = tf.gather(x, lk.ids, axis=2, batch_dims=1)        # [B, S, T]
+    return tf.reduce_sum(picked * tf.matmul(h, lk.G, transpose_b=True), axis=[1, 2])
+
+
+def _choose(contribs, batch):
+    """"ghost" or "instantiate" for one variable's contributions (static decision)."""
+    if any(c.kind == "dense" for c in contribs):
+        return "instantiate"
+    pairs = [(a, b) for i, a in enumerate(contribs) for b in contribs[i:]]
+    if not all(_ghostable(a, b) for a, b in pairs):
+        return "instantiate"
+    size = _prod([_static(s) for s in contribs[0].var.shape]) or 1
+    ghost = sum(_pair_cost(a, b) for a, b in pairs)
+    inst = sum(c.inst_cost() for c in contribs) + (len(contribs) + 1) * size
+    b = _or(batch, 32)
+    ghost_mem = 4 * b * max(_pair_mem(a, b_) for a, b_ in pairs)
+    inst_mem = 4 * b * size
+    ghost_ok, inst_ok = ghost_mem <= _GHOST_MAX_BYTES, inst_mem <= _INSTANTIATE_MAX_BYTES
+    if ghost_ok and inst_ok:
+        return "ghost" if ghost <= inst else "instantiate"
+    if ghost_ok or inst_ok:
+        return "ghost" if ghost_ok else "instantiate"
+    return "ghost" if ghost_mem <= inst_mem else "instantiate"
+
+
+def _sq_norm(contribs, choice, grams):
+    if choice == "ghost":
+        total = None
+        for i, a in enumerate(contribs):
+            for j in range(i, len(contribs)):
+                term = _inner(a, contribs[j], grams)
+                term = term if i == j else 2.0 * term
+                total = term if total is None else total + term
+        return tf.cast(total, tf.float32)
+    per = contribs[0].instantiate()
+    for c in contribs[1:]:
+        per = per + c.instantiate()
+    return tf.cast(_sum_except_batch(tf.square(per)), tf.float32)
+
+
+def _static_linear(H, m, n, T, B):
+    ghost, inst = H * T * T * (m + n + 1), H * T * m * n + 2 * H * m * n
+    ghost_ok = 4 * B * 2 * H * T * T <= _GHOST_MAX_BYTES
+    inst_ok = 4 * B * H * m * n <= _INSTANTIATE_MAX_BYTES
+    if ghost_ok and inst_ok:
+        return "ghost" if ghost <= inst else "instantiate"
+    if ghost_ok or inst_ok:
+        return "ghost" if ghost_ok else "instantiate"
+    return "ghost" if T * T <= m * n else "instantiate"

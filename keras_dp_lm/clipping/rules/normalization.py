@@ -1,0 +1,130 @@
+"""Fast-clipping rules for LayerNormalization and RMS norms (Keras, KerasHub, Llama)."""
+
+import keras
+import tensorflow as tf
+
+from keras_dp_lm.clipping._common import _keras_hub_class
+from keras_dp_lm.clipping._common import _orig
+from keras_dp_lm.clipping.ghost import _PerExample
+
+
+def _norm_axes(axis, rank):
+    axes = axis if isinstance(axis, (list, tuple)) else [axis]
+    return sorted(a % rank for a in axes)
+
+
+def _scale_grad(g, xhat, axes):
+    """Per-example gradient of an elementwise scale over ``axes``: sum of g*xhat."""
+    other = [a for a in range(1, g.shape.rank) if a not in axes]
+    prod = tf.cast(g, xhat.dtype) * xhat
+    return tf.reduce_sum(prod, axis=other) if other else prod
+
+
+def _shift_grad(g, axes):
+    other = [a for a in range(1, g.shape.rank) if a not in axes]
+    return tf.reduce_sum(g, axis=other) if other else g
+
+
+class _LayerNormRule:
+    name = "LayerNormalization"
+
+    @staticmethod
+    def matches(layer):
+        return True
+
+    @staticmethod
+    def variables(layer):
+        return [v for v in (layer.gamma, layer.beta) if v is not None]
+
+    @staticmethod
+    def forward(layer, rec, inputs, *args, **kwargs):
+        y = _orig(layer)(inputs, *args, **kwargs)
+        call = rec.new_call(layer, y)
+        if call is not None:
+            x = tf.convert_to_tensor(inputs)
+            axes = _norm_axes(layer.axis, x.shape.rank)
+            if 0 in axes:
+                for v in _LayerNormRule.variables(layer):
+                    rec.mark_bad(v, "normalises over the batch axis")
+                return y
+            eps, rms = layer.epsilon, layer.rms_scaling
+
+            def xhat(x=x):
+                x32 = tf.cast(x, tf.float32) if x.dtype != tf.float64 else x
+                mean, var = tf.nn.moments(x32, axes=axes, keepdims=True)
+                if rms:
+                    return x32 * tf.math.rsqrt(var + eps)
+                return (x32 - mean) * tf.math.rsqrt(var + eps)
+
+            if layer.gamma is not None:
+                rec.add(_PerExample(layer.gamma, call,
+                                    lambda g: _scale_grad(g, xhat(), axes)))
+            if layer.beta is not None:
+                rec.add(_PerExample(layer.beta, call, lambda g: _shift_grad(g, axes)))
+        return y
+
+    @staticmethod
+    def static_method(layer, var, T, B):
+        return "instantiate"
+
+
+class _RMSNormRule:
+    """LlamaLayerNorm (KerasHub Llama), keras.layers.RMSNormalization and
+    keras_hub.layers.RMSNormalization: y = x * rsqrt(mean(x^2) + eps) * scale."""
+
+    name = "RMSNorm"
+
+    @staticmethod
+    def _kind(layer):
+        t = type(layer).call
+        llama = _keras_hub_class("keras_hub.src.models.llama.llama_layernorm",
+                                 "LlamaLayerNorm")
+        if llama is not None and t is llama.call:
+            return "llama"
+        krms = getattr(keras.layers, "RMSNormalization", None)
+        if krms is not None and t is krms.call:
+            return "keras"
+        hrms = _keras_hub_class("keras_hub.src.layers.modeling.rms_normalization",
+                                "RMSNormalization")
+        if hrms is not None and t is hrms.call:
+            return "hub"
+        return None
+
+    @staticmethod
+    def matches(layer):
+        return _RMSNormRule._kind(layer) is not None
+
+    @staticmethod
+    def variables(layer):
+        return [layer.scale]
+
+    @staticmethod
+    def forward(layer, rec, inputs, *args, **kwargs):
+        y = _orig(layer)(inputs, *args, **kwargs)
+        call = rec.new_call(layer, y)
+        if call is not None:
+            x = tf.convert_to_tensor(inputs)
+            kind = _RMSNormRule._kind(layer)
+            if kind == "llama":
+                axes, eps = [x.shape.rank - 1], layer.epsilon
+            elif kind == "keras":
+                axes = _norm_axes(layer.axis, x.shape.rank)
+                eps = layer.epsilon if layer.epsilon is not None else keras.config.epsilon()
+            else:
+                axes, eps = [x.shape.rank - 1], 1e-6
+            if 0 in axes:
+                rec.mark_bad(layer.scale, "normalises over the batch axis")
+                return y
+
+            def xhat(x=x):
+                x32 = tf.cast(x, tf.float32) if x.dtype != tf.float64 else x
+                ms = tf.reduce_mean(tf.square(x32), axis=axes, keepdims=True)
+                return x32 * tf.math.rsqrt(ms + eps)
+
+            rec.add(_PerExample(layer.scale, call,
+                                lambda g: _scale_grad(g, xhat(), axes)))
+        return y
+
+    @staticmethod
+    def static_method(layer, var, T, B):
+        return "instantiate"
