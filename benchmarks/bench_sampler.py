@@ -83,18 +83,18 @@ def main(argv=None):
 
     import keras_hub
 
-    from keras_dp_lm import generation
+    from keras_dp_lm import samplers
 
     prompts = (PROMPTS * (args.batch_size // len(PROMPTS) + 1))[: args.batch_size]
     models = {
         "RandomSampler (KerasHub)": build(args, keras_hub.samplers.RandomSampler(seed=0)),
         f"DPSampler(lambda_={args.lambda_:g})": build(
-            args, generation.DPSampler(args.lambda_, seed=0)),
+            args, samplers.DPSampler(args.lambda_, seed=0)),
     }
     names = list(models)
     ref, dp = models[names[0]], models[names[1]]
     assert all((a == b).all() for a, b in zip(ref.get_weights(), dp.get_weights()))
-    vocabulary_size = generation.vocabulary_size_of(dp)
+    vocabulary_size = samplers.vocabulary_size_of(dp)
 
     def timed(lm):
         wall, cpu = time.perf_counter(), time.process_time()
@@ -117,14 +117,14 @@ def main(argv=None):
     cpu_med = {name: statistics.median(t) for name, t in cpu_times.items()}
     alone = {}
     for name, sampler in ((names[0], keras_hub.samplers.RandomSampler(seed=1)),
-                          (names[1], generation.DPSampler(args.lambda_, seed=1))):
+                          (names[1], samplers.DPSampler(args.lambda_, seed=1))):
         alone[name] = sampler_only_seconds(sampler, args.batch_size, vocabulary_size,
                                            args.max_length, 3 * args.runs)
     ratio = med[names[1]] / med[names[0]]
     prompt_len = int(ref.preprocessor.generate_preprocess(
         prompts, sequence_length=args.max_length)["padding_mask"].numpy().sum(-1).min())
     new_tokens = args.max_length - prompt_len
-    eps_tok = generation.epsilon_per_token(args.lambda_, vocabulary_size)
+    eps_tok = samplers.epsilon_per_token(args.lambda_, vocabulary_size)
 
     from _results import machine_line
     command = "python benchmarks/bench_sampler.py " + " ".join(

@@ -46,13 +46,13 @@ K = 8
 
 
 def load(data_dir):
-    from keras_dp_lm import corpora, vocab
+    from keras_dp_lm import corpora, tokenizers
 
     texts = corpora.load_shakespeare_plays(data_dir)
     plays = {n: t for n, t in texts.items() if n not in MILTON}
     train = [line for n in sorted(plays) if n not in HELD_OUT
-             for line in vocab.split_examples(plays[n], "line")]
-    heldout = [line for n in HELD_OUT for line in vocab.split_examples(plays[n], "line")]
+             for line in tokenizers.split_examples(plays[n], "line")]
+    heldout = [line for n in HELD_OUT for line in tokenizers.split_examples(plays[n], "line")]
     train_bytes = sum(len(plays[n].encode()) for n in plays if n not in HELD_OUT)
     return train, heldout, train_bytes, len(plays) - len(HELD_OUT)
 
@@ -80,7 +80,7 @@ def main(argv=None):
     from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize_python
 
     from _results import machine_line, write_section
-    from keras_dp_lm import vocab
+    from keras_dp_lm import tokenizers
 
     train, heldout, train_bytes, num_plays = load(args.data_dir)
     num_words = sum(len(pretokenize_python(line.lower())) for line in heldout)
@@ -98,11 +98,11 @@ def main(argv=None):
         print(f"V={size} non-private: {base_seconds:.1f} s, {base_tpw:.4f} tokens/word",
               flush=True)
         for eps in epsilons:
-            adapter = vocab.DPVocabularyAdapter(size, target_epsilon=eps, delta=DELTA,
-                                                max_words_per_example=K, seed=0)
+            adapter = tokenizers.DPVocabularyAdapter(size, target_epsilon=eps, delta=DELTA,
+                                                     max_words_per_example=K, seed=0)
             start = time.perf_counter()
-            hist = vocab.dp_word_histogram(train, target_epsilon=eps, delta=DELTA,
-                                           max_words_per_example=K, seed=0)
+            hist = tokenizers.dp_word_histogram(train, target_epsilon=eps, delta=DELTA,
+                                                max_words_per_example=K, seed=0)
             hist_seconds = time.perf_counter() - start
             start = time.perf_counter()
             try:
@@ -127,14 +127,14 @@ def main(argv=None):
     sp_rows = []
     exact = collections.Counter(w for line in train for w in pretokenize_python(line.lower()))
     start = time.perf_counter()
-    base_proto = vocab.learn_sentencepiece_proto(dict(exact), args.sp_vocab_size)
+    base_proto = tokenizers.learn_sentencepiece_proto(dict(exact), args.sp_vocab_size)
     sp_base_seconds = time.perf_counter() - start
     base_sp = keras_hub.tokenizers.SentencePieceTokenizer(proto=base_proto)
     sp_base_tpw, _ = tokens_per_word(base_sp, heldout, num_words, None)
     for eps in epsilons:
-        adapter = vocab.DPVocabularyAdapter(args.sp_vocab_size, "sentencepiece_unigram",
-                                            target_epsilon=eps, delta=DELTA,
-                                            max_words_per_example=K, seed=0)
+        adapter = tokenizers.DPVocabularyAdapter(args.sp_vocab_size, "sentencepiece_unigram",
+                                                 target_epsilon=eps, delta=DELTA,
+                                                 max_words_per_example=K, seed=0)
         start = time.perf_counter()
         try:
             adapter.adapt(train)

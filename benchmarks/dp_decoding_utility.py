@@ -3,7 +3,7 @@
 Trains a small GPT-2 (locally trained byte-level BPE) non-privately for a few
 hundred steps on Shakespeare, then scores a held-out play under the decoding
 mixture ``q' = lambda*q + (1-lambda)*u`` for several ``lambda`` with
-``keras_dp_lm.generation.mixture_perplexity``, and reports each ``lambda``'s
+``keras_dp_lm.samplers.mixture_perplexity``, and reports each ``lambda``'s
 epsilon per token and per sequence of ``--new-tokens`` sampled tokens.
 
 Writes ``dp_decoding_utility.md`` (markdown table) and
@@ -57,7 +57,7 @@ def load_texts(held_out, train_chars, held_out_chars):
 def run(args):
     import keras
 
-    from keras_dp_lm import generation, testing
+    from keras_dp_lm import samplers, testing
 
     train, held_out, source = load_texts(args.held_out, args.train_chars, args.held_out_chars)
     t0 = time.time()
@@ -71,14 +71,14 @@ def run(args):
                                   batch_size=args.batch_size, learning_rate=args.learning_rate,
                                   seed=args.seed)
     train_seconds = time.time() - t0
-    vocabulary_size = generation.vocabulary_size_of(causal_lm)
-    ppl = generation.mixture_perplexity(causal_lm, held_out, args.lambdas,
-                                        max_tokens=args.max_tokens)
+    vocabulary_size = samplers.vocabulary_size_of(causal_lm)
+    ppl = samplers.mixture_perplexity(causal_lm, held_out, args.lambdas,
+                                      max_tokens=args.max_tokens)
     rows = []
     for lam in args.lambdas:
         if lam < 1.0:
-            eps_tok = generation.epsilon_per_token(lam, vocabulary_size)
-            eps_seq = generation.epsilon_per_sequence(lam, vocabulary_size, args.new_tokens)
+            eps_tok = samplers.epsilon_per_token(lam, vocabulary_size)
+            eps_seq = samplers.epsilon_per_sequence(lam, vocabulary_size, args.new_tokens)
         else:
             eps_tok = eps_seq = math.inf
         rows.append((lam, eps_tok, eps_seq, ppl[lam]))

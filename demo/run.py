@@ -8,7 +8,7 @@
    private records is held out for perplexity. Secret-sharer canaries
    (``"my ssn is 123456"``) are inserted into the private training records with
    different repetition counts.
-2. **DP vocabulary.** :class:`keras_dp_lm.vocab.DPVocabularyAdapter` learns a
+2. **DP vocabulary.** :class:`keras_dp_lm.tokenizers.DPVocabularyAdapter` learns a
    SentencePiece model from a DP word histogram of the private training records
    (digits are reserved symbols, so they never depend on the data).
 3. **Public pre-training** of a tiny Llama (KerasHub ``LlamaCausalLM`` with the DP
@@ -21,7 +21,7 @@
    without clipping or noise.
 6. **Evaluation**: held-out perplexity (public-only, DP, non-private), canary
    exposure (extrapolated, Carlini et al. 2019) of each model, and samples drawn with
-   :class:`keras_dp_lm.generation.DPSampler` with their decoding epsilon, and top-k
+   :class:`keras_dp_lm.samplers.DPSampler` with their decoding epsilon, and top-k
    samples of the DP model (covered by the training guarantee alone).
 
 Writes ``report.json``, ``report.md`` and PNG plots to ``--output-dir``.
@@ -219,16 +219,16 @@ def learn_vocabulary(args, private_records):
     fresh ``DPVocabularyAdapter`` per size would be one release per try.)
     Returns ``(histogram, proto, size)``.
     """
-    from keras_dp_lm import vocab
+    from keras_dp_lm import tokenizers
 
-    histogram = vocab.dp_word_histogram(
+    histogram = tokenizers.dp_word_histogram(
         private_records, target_epsilon=args.vocab_epsilon, delta=args.delta / 2,
         max_words_per_example=args.max_words_per_example, seed=args.noise_seed,
         lowercase=False, nfkc=True)
     size, last_error = args.vocab_size, None
     while size >= 32 + len(SENTENCEPIECE_RESERVED):
         try:
-            proto = vocab.learn_sentencepiece_proto(
+            proto = tokenizers.learn_sentencepiece_proto(
                 histogram, size, reserved_tokens=SENTENCEPIECE_RESERVED, lowercase=False)
             return histogram, proto, size
         except (ValueError, RuntimeError) as err:  # too few released words for this size
@@ -327,7 +327,7 @@ def run(args):
     import keras
 
     import keras_dp_lm as kdp
-    from keras_dp_lm import accounting, generation
+    from keras_dp_lm import accounting, samplers
     from keras_dp_lm import evaluation as ev
 
     t_start = time.time()
@@ -476,9 +476,9 @@ def run(args):
     for name in ("dp", "non_private"):
         m = models[name]
         try:
-            m.compile(sampler=generation.DPSampler(lambda_=args.sampler_lambda,
-                                                   seed=args.noise_seed))
-            budget = generation.DecodingBudget(total_epsilon=1e12)  # only to price it
+            m.compile(sampler=samplers.DPSampler(lambda_=args.sampler_lambda,
+                                                 seed=args.noise_seed))
+            budget = samplers.DecodingBudget(total_epsilon=1e12)  # only to price it
             eps_seq = budget.epsilon_for(m, prompts, max_length=max_length,
                                          composition="parallel")
             texts = m.generate(prompts, max_length=max_length)

@@ -48,7 +48,7 @@ def main(argv=None):
 
     import keras_dp_lm as kdp
     from keras_dp_lm import accounting, corpora, evaluation, testing
-    from keras_dp_lm.generation import DPSampler
+    from keras_dp_lm.samplers import DPSampler
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kdp_preset_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,7 @@ def main(argv=None):
     after = ppl()
     out = Path(args.output_preset) if args.output_preset else work / "tiny_gpt2_dp"
     lm.save_to_preset(str(out))
-    lm.compile(sampler=DPSampler(lambda_=0.7))  # private decoding (see generation.py)
+    lm.compile(sampler=DPSampler(lambda_=0.7))  # private decoding (see keras_dp_lm/samplers)
     sample = lm.generate("HAMLET.", max_length=24)
     print(f"held-out perplexity {before:.1f} -> {after:.1f} after {report['dp_updates']} "
           f"DP steps ({seconds:.0f} s); noise multiplier {sigma:.3f}")

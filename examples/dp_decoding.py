@@ -21,8 +21,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from keras_dp_lm import testing  # noqa: E402
-from keras_dp_lm.generation import (BudgetExhaustedError, DecodingBudget,  # noqa: E402
-                                    DPSampler, lambda_for_epsilon, vocabulary_size_of)
+from keras_dp_lm.samplers import (BudgetExhaustedError, DecodingBudget,  # noqa: E402
+                                  DPSampler, lambda_for_epsilon, vocabulary_size_of)
 
 MAX_LENGTH = 32          # prompt + new tokens
 SEQUENCE_EPSILON = 200.0  # target epsilon for one generated sequence (see README: large)

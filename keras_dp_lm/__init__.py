@@ -32,12 +32,12 @@ _EXPORTS = {
     "max_steps": "keras_dp_lm.accounting",
     "PrivacyLedger": "keras_dp_lm.training.ledger",
     "ledger_of": "keras_dp_lm.training.ledger",
-    "BudgetExhaustedError": "keras_dp_lm.generation",
-    "DecodingBudget": "keras_dp_lm.generation",
-    "DPSampler": "keras_dp_lm.generation",
-    "epsilon_per_sequence": "keras_dp_lm.generation",
-    "epsilon_per_token": "keras_dp_lm.generation",
-    "lambda_for_epsilon": "keras_dp_lm.generation",
+    "BudgetExhaustedError": "keras_dp_lm.samplers",
+    "DecodingBudget": "keras_dp_lm.samplers",
+    "DPSampler": "keras_dp_lm.samplers",
+    "epsilon_per_sequence": "keras_dp_lm.samplers",
+    "epsilon_per_token": "keras_dp_lm.samplers",
+    "lambda_for_epsilon": "keras_dp_lm.samplers",
     "per_example_losses": "keras_dp_lm.training.losses",
     "DPAdam": "keras_dp_lm.optimizers",
     "DPAdamW": "keras_dp_lm.optimizers",
@@ -50,14 +50,14 @@ _EXPORTS = {
     "poisson_batches": "keras_dp_lm.data",
     "suggest_max_batch_size": "keras_dp_lm.data",
     "make_private": "keras_dp_lm.training",
-    "DPVocabularyAdapter": "keras_dp_lm.vocab",
+    "DPVocabularyAdapter": "keras_dp_lm.tokenizers",
 }
-_SUBMODULES = ("accounting", "callbacks", "data", "evaluation", "optimizers", "testing",
-               "training", "vocab")
-_DEPRECATED_SUBMODULES = {"sampling": "data"}
+_SUBMODULES = ("accounting", "callbacks", "data", "evaluation", "optimizers", "samplers",
+               "testing", "tokenizers", "training")
+_DEPRECATED_SUBMODULES = {"sampling": "data", "vocab": "tokenizers", "generation": "samplers"}
 # Modules that register Keras objects or patch Keras: imported as soon as Keras is.
 _KERAS_MODULES = ("keras_dp_lm.training", "keras_dp_lm.optimizers",
-                  "keras_dp_lm.generation", "keras_dp_lm.vocab")
+                  "keras_dp_lm.samplers", "keras_dp_lm.tokenizers")
 
 __all__ = sorted(list(_EXPORTS) + list(_SUBMODULES) + list(_DEPRECATED_SUBMODULES))
 

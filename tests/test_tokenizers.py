@@ -1,4 +1,4 @@
-"""Tests for keras_dp_lm.vocab: DP word histograms, learners and DPVocabularyAdapter.
+"""Tests for keras_dp_lm.tokenizers: DP word histograms, learners and DPVocabularyAdapter.
 
 Every randomised assertion uses fixed seeds and states its tolerance.
 """
@@ -16,7 +16,8 @@ import keras_hub
 import tensorflow as tf
 
 from keras_dp_lm import corpora
-from keras_dp_lm import vocab as V
+from deprecated_paths import check_moved_module
+from keras_dp_lm import tokenizers as V
 from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize_python
 
 MILTON = ("areopagitica", "comus", "lallegro_il_penseroso_comus_and_lycidas",
@@ -569,7 +570,8 @@ def test_readapt_with_a_fixed_seed_draws_fresh_noise(plays, monkeypatch):
         released.append(histogram.counts)
         return histogram
 
-    monkeypatch.setattr(V, "dp_word_histogram", spy)
+    # Patched where the adapter looks it up.
+    monkeypatch.setattr("keras_dp_lm.tokenizers.adapter.dp_word_histogram", spy)
     lines = _lines(plays, ["macbeth"], 2000)
     adapter = V.DPVocabularyAdapter(40, **SMALL)
     adapter.adapt(lines)
@@ -607,3 +609,18 @@ def test_release_count_survives_save_reload_and_config(plays, tmp_path):
     meta.write_text(meta.read_text().replace('"releases"', '"ignored"'))
     legacy.load_assets(tmp_path / "assets")
     assert legacy.is_adapted and legacy.num_releases == 1
+
+
+def test_old_vocab_path_warns_and_gives_the_same_objects():
+    check_moved_module("keras_dp_lm.vocab", "keras_dp_lm.tokenizers")
+
+
+def test_released_histogram_order_does_not_reveal_first_appearance():
+    """Review finding: keys came in first-appearance order in the private data, so
+    D = ["zebra"] + D' and D' were told apart by the order alone at any epsilon."""
+    base = ["apple banana"] * 60 + ["zebra"] * 60
+    for corpus in (["zebra"] + base, base):
+        histogram = V.dp_word_histogram(corpus, delta=1e-5, max_words_per_example=2,
+                                        noise_multiplier=0.5, seed=None)
+        assert list(histogram.counts) == sorted(histogram.counts)
+        assert set(histogram.counts) == {"apple", "banana", "zebra"}

@@ -10,10 +10,11 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
-from keras_dp_lm import generation, testing
-from keras_dp_lm.generation import (BudgetExhaustedError, DecodingBudget, DPSampler,
-                                    epsilon_per_sequence, epsilon_per_token,
-                                    lambda_for_epsilon)
+from deprecated_paths import check_moved_module
+from keras_dp_lm import samplers, testing
+from keras_dp_lm.samplers import (BudgetExhaustedError, DecodingBudget, DPSampler,
+                                  epsilon_per_sequence, epsilon_per_token,
+                                  lambda_for_epsilon)
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 4.0, 0.25], dtype="float32")
 N_DRAWS = 20_000
@@ -149,8 +150,8 @@ def test_epsilon_per_sequence_hand_computed():
     assert DPSampler(0.5).epsilon_per_sequence(150_000, 20) == pytest.approx(
         20 * 11.918397239722838, rel=1e-12)
     assert epsilon_per_sequence(0.5, 150_000, 0) == 0.0
-    assert generation.num_sampled_tokens(40, 3) == 37
-    assert generation.num_sampled_tokens(10, 12) == 0
+    assert samplers.num_sampled_tokens(40, 3) == 37
+    assert samplers.num_sampled_tokens(10, 12) == 0
 
 
 def test_lambda_for_epsilon_inverts_and_never_overspends():
@@ -341,7 +342,7 @@ def test_budget_refuses_non_dp_sampler(gpt2_preset):
 def test_mixture_perplexity(gpt2_preset):
     lm = keras_hub.models.GPT2CausalLM.from_preset(gpt2_preset)
     text = testing.DEFAULT_TEXT[:400]
-    ppl = generation.mixture_perplexity(lm, [text], [0.0, 0.5, 1.0], sequence_length=16)
+    ppl = samplers.mixture_perplexity(lm, [text], [0.0, 0.5, 1.0], sequence_length=16)
     assert list(ppl) == [0.0, 0.5, 1.0]
     assert ppl[0.0] == pytest.approx(300, rel=1e-9)     # uniform over |V|
     # Reference for lambda = 0.5 and 1 computed naively from the logits.
@@ -392,7 +393,7 @@ def test_lambda_changed_after_generate_was_traced_is_applied_as_charged(tiny_lm,
     sampler = DPSampler(0.999, temperature=1e-3, seed=0)   # ~greedy model branch
     lm.compile(sampler=sampler, jit_compile=jit)
     prompts = preprocessor.generate_preprocess(["To be"] * 64, sequence_length=6)
-    v = generation.vocabulary_size_of(lm)
+    v = samplers.vocabulary_size_of(lm)
     new_tokens = 6 - int(np.asarray(prompts["padding_mask"])[0].sum())
     budget = DecodingBudget(1e9)
 
@@ -434,7 +435,7 @@ def test_vocabulary_size_charged_is_the_logits_size(tiny_lm):
     lm, preprocessor = tiny_lm
     lm.compile(sampler=DPSampler(0.9, seed=0), jit_compile=False)
     prompts = preprocessor.generate_preprocess(["To be"] * 2, sequence_length=6)
-    assert generation.vocabulary_size_of(lm) == 300
+    assert samplers.vocabulary_size_of(lm) == 300
     lm.backbone.vocabulary_size = 100
     try:
         with pytest.raises(ValueError, match="logits have size 300"):
@@ -471,3 +472,7 @@ def test_nan_probabilities_never_give_an_out_of_range_token(jit):
         step = tf.function(step, jit_compile=True)
     tokens = np.asarray(step(tf.constant(np.full((4096, 8), np.nan, "float32"))))
     assert tokens.min() >= 0 and tokens.max() <= 7
+
+
+def test_old_generation_path_warns_and_gives_the_same_objects():
+    check_moved_module("keras_dp_lm.generation", "keras_dp_lm.samplers")

@@ -1,0 +1,199 @@
+"""``DecodingBudget``: a total decoding epsilon, charged before each generation."""
+
+import math
+
+import numpy as np
+from keras import ops
+
+from keras_dp_lm.samplers.dp_sampler import DPSampler
+from keras_dp_lm.samplers.epsilon import num_sampled_tokens
+from keras_dp_lm.samplers.epsilon import vocabulary_size_of
+
+
+class BudgetExhaustedError(RuntimeError):
+    """A decoding request would take a :class:`DecodingBudget` past its total.
+
+    Example:
+        >>> budget = DecodingBudget(total_epsilon=1.0)
+        >>> try:
+        ...     budget.charge(2.0)
+        ... except BudgetExhaustedError:
+        ...     print("refused; spent:", budget.spent)
+        refused; spent: 0.0
+    """
+
+
+class DecodingBudget:
+    """A total epsilon for DP decoding, charged before each generation.
+
+    Semantics (kept simple on purpose):
+
+    - By default (``composition="sequential"``) a call on a batch of prompts
+      is charged the *sum* of its per-sequence epsilons: safe whenever one
+      protected record can influence every sequence of the call, which is the
+      case when the record is in the model's training data.
+    - ``composition="parallel"`` charges only the largest per-sequence epsilon
+      of the call. It is valid only when each prompt of a call concerns a
+      different protected record (each prompt carries one user's private
+      context) and the model itself does not depend on those records; the
+      budget then counts, for one record, per-sequence epsilon times calls.
+    - A charge that would exceed the total raises :class:`BudgetExhaustedError`
+      and charges nothing; ``generate`` charges before it generates, so no
+      tokens are ever produced beyond the budget. A charge is kept even if
+      generation then fails (conservative).
+
+    Totals are compared with ``math.fsum`` of all charges, with a relative
+    slack of 1e-12 for floating-point rounding.
+
+    Example (``budget.generate(causal_lm, prompts)`` charges, then generates):
+        >>> from keras_dp_lm import testing
+        >>> causal_lm = testing.tiny_gpt2_causal_lm(["To be, or not to be."],
+        ...                                         vocabulary_size=300)
+        >>> causal_lm.compile(sampler=DPSampler(lambda_=0.5, seed=0))
+        >>> budget = DecodingBudget(total_epsilon=100.0)
+        >>> cost = budget.epsilon_for(causal_lm, ["To be", "or not"], max_length=8)
+        >>> round(cost, 2), budget.can_afford(cost)  # 2 prompts x 5 sampled tokens
+        (55.91, True)
+        >>> round(budget.charge(cost), 2)            # what remains
+        44.09
+    """
+
+    _RELATIVE_SLACK = 1e-12
+
+    def __init__(self, total_epsilon):
+        if isinstance(total_epsilon, bool) or not isinstance(
+                total_epsilon, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(float(total_epsilon)) or float(total_epsilon) < 0:
+            raise ValueError(
+                f"`total_epsilon` must be a finite number >= 0. Received: {total_epsilon!r}")
+        self.total_epsilon = float(total_epsilon)
+        self._charges = []
+
+    @property
+    def spent(self):
+        """Epsilon charged so far."""
+        return math.fsum(self._charges)
+
+    @property
+    def remaining(self):
+        """Epsilon left (never negative)."""
+        return max(self.total_epsilon - self.spent, 0.0)
+
+    @property
+    def num_charges(self):
+        return len(self._charges)
+
+    def can_afford(self, epsilon):
+        """Whether :meth:`charge` of ``epsilon`` would succeed."""
+        epsilon = self._check_epsilon(epsilon)
+        new_total = math.fsum(self._charges + [epsilon])
+        return new_total <= self.total_epsilon * (1.0 + self._RELATIVE_SLACK)
+
+    def charge(self, epsilon):
+        """Record ``epsilon`` spent; raise :class:`BudgetExhaustedError` (charging
+        nothing) if it would take the total past ``total_epsilon``. Returns the
+        remaining epsilon."""
+        epsilon = self._check_epsilon(epsilon)
+        if not self.can_afford(epsilon):
+            raise BudgetExhaustedError(
+                f"Decoding budget exhausted: this request costs epsilon={epsilon:.6g} "
+                f"but only {self.remaining:.6g} of total_epsilon={self.total_epsilon:.6g} "
+                f"remains (spent {self.spent:.6g} in {len(self._charges)} charge(s)). "
+                f"Nothing was generated. Use fewer new tokens (smaller max_length), a "
+                f"smaller lambda_, or a new budget for a different protected record.")
+        self._charges.append(epsilon)
+        return self.remaining
+
+    @staticmethod
+    def _check_epsilon(epsilon):
+        if isinstance(epsilon, bool) or not isinstance(
+                epsilon, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(float(epsilon)) or float(epsilon) < 0:
+            raise ValueError(f"`epsilon` must be a finite number >= 0. Received: {epsilon!r}")
+        return float(epsilon)
+
+    def epsilon_for(self, causal_lm, prompts, max_length=None, composition="sequential"):
+        """What :meth:`generate` would charge for these arguments (charges nothing)."""
+        sampler = getattr(causal_lm, "sampler", None)
+        if not isinstance(sampler, DPSampler):
+            raise ValueError(
+                "DecodingBudget.generate needs a model compiled with a DPSampler, "
+                f"got sampler={sampler!r}. Call "
+                "`causal_lm.compile(sampler=keras_dp_lm.DPSampler(lambda_=...))` first.")
+        if composition not in ("parallel", "sequential"):
+            raise ValueError(
+                f"`composition` must be 'parallel' or 'sequential'. Received: {composition!r}")
+        max_length, prompt_lengths = _prompt_lengths(causal_lm, prompts, max_length)
+        vocabulary_size = vocabulary_size_of(causal_lm)
+        per_sequence = [sampler.epsilon_per_sequence(
+            vocabulary_size, num_sampled_tokens(max_length, n)) for n in prompt_lengths]
+        if not per_sequence:
+            return 0.0
+        return math.fsum(per_sequence) if composition == "sequential" else max(per_sequence)
+
+    def generate(self, causal_lm, prompts, max_length=None, composition="sequential",
+                 **generate_kwargs):
+        """Charge this call's epsilon, then ``causal_lm.generate(prompts, max_length, ...)``.
+
+        ``prompts``: a string, a list of strings, or (for a model without
+        preprocessor) a dict with ``token_ids`` and ``padding_mask``.
+        ``max_length`` defaults to the preprocessor's ``sequence_length``.
+        Raises :class:`BudgetExhaustedError` before generating anything if
+        the charge does not fit. Extra keyword arguments go to ``generate``.
+        """
+        epsilon = self.epsilon_for(causal_lm, prompts, max_length, composition)
+        self.charge(epsilon)
+        return causal_lm.generate(prompts, max_length=max_length, **generate_kwargs)
+
+    def get_config(self):
+        return {"total_epsilon": self.total_epsilon, "charges": list(self._charges)}
+
+    @classmethod
+    def from_config(cls, config):
+        budget = cls(config["total_epsilon"])
+        for epsilon in config.get("charges", []):
+            budget._charges.append(cls._check_epsilon(epsilon))
+        return budget
+
+    def __repr__(self):
+        return (f"DecodingBudget(total_epsilon={self.total_epsilon!r}, "
+                f"spent={self.spent!r})")
+
+
+def _prompt_lengths(causal_lm, prompts, max_length):
+    """(max_length, [tokens before sampling starts, per prompt]) as ``generate`` sees them."""
+    preprocessor = getattr(causal_lm, "preprocessor", None)
+    if isinstance(prompts, dict):
+        if preprocessor is not None and not _is_token_dict(prompts):
+            raise TypeError("Pass prompts as strings when the model has a preprocessor.")
+        mask = np.asarray(ops.convert_to_numpy(prompts["padding_mask"])).astype(bool)
+        token_shape = np.shape(np.asarray(ops.convert_to_numpy(prompts["token_ids"])))
+        if token_shape != mask.shape or mask.ndim not in (1, 2):
+            # generate samples up to the width of token_ids: a narrower mask would
+            # charge fewer positions than are sampled.
+            raise ValueError(
+                f"`token_ids` (shape {token_shape}) and `padding_mask` (shape "
+                f"{mask.shape}) must have the same 1-D or 2-D shape.")
+        if mask.ndim == 1:
+            mask = mask[None]
+        return mask.shape[-1], [int(n) for n in mask.sum(axis=-1)]
+    if preprocessor is None:
+        raise TypeError(
+            "A model without preprocessor needs prompts as a dict with "
+            "'token_ids' and 'padding_mask'.")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if hasattr(prompts, "element_spec"):
+        raise TypeError("DecodingBudget.generate takes a list of prompts, not a tf.data.Dataset.")
+    prompts = list(prompts)
+    if max_length is None:
+        max_length = preprocessor.sequence_length
+    if not prompts:
+        return int(max_length), []
+    x = preprocessor.generate_preprocess(prompts, sequence_length=int(max_length))
+    mask = np.asarray(ops.convert_to_numpy(x["padding_mask"])).astype(bool)
+    return int(max_length), [int(n) for n in mask.sum(axis=-1)]
+
+
+def _is_token_dict(x):
+    return isinstance(x, dict) and "token_ids" in x and "padding_mask" in x
