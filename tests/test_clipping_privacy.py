@@ -11,6 +11,8 @@ import tensorflow as tf
 import keras
 
 import keras_dp_lm as kdp
+from zoo_layers import DenseCell
+from zoo_layers import WeightNormDense
 from keras_dp_lm import clipping as fc
 from keras_dp_lm.training import dp_clipped_gradient
 from reference import max_relative_error, naive_clipped_sum
@@ -59,17 +61,9 @@ def test_two_einsum_layers_reading_the_same_input_do_not_share_a_gram():
     assert coverage[first.kernel.path] == coverage[second.kernel.path] == "ghost"
 
 
-class _WeightNormDense(keras.layers.Dense):
-    """Reparametrised kernel: the rule for Dense does not describe it."""
-
-    @property
-    def kernel(self):
-        return 3.0 * self._kernel / tf.norm(self._kernel)
-
-
 def test_dense_subclass_with_a_reparametrised_kernel_falls_back_to_exact():
     """Before: matched by `type(layer).call is Dense.call`, 16-63% norm error."""
-    model = _compiled(keras.Sequential([keras.Input((4,)), _WeightNormDense(3)]))
+    model = _compiled(keras.Sequential([keras.Input((4,)), WeightNormDense(3)]))
     rng = np.random.default_rng(1)
     x = rng.normal(size=(5, 4)).astype("float32")
     y = rng.normal(size=(5, 3)).astype("float32")
@@ -91,24 +85,10 @@ def test_covered_layer_used_as_another_layers_activation():
     assert "another covered layer" in fc.exact_reason(model, inner.kernel)
 
 
-class _Cell(keras.layers.Layer):
-    def __init__(self, units, **kwargs):
-        super().__init__(**kwargs)
-        self.units, self.state_size = units, units
-        self.dense = keras.layers.Dense(units, activation="tanh")
-
-    def build(self, shape):
-        self.dense.build((shape[0], shape[-1] + self.units))
-
-    def call(self, inputs, states):
-        h = self.dense(tf.concat([inputs, states[0]], axis=-1))
-        return h, [h]
-
-
 def test_dense_inside_an_rnn_cell_trains_and_matches_the_loop():
     """Before: InaccessibleTensorError (the layer's output was recorded inside
     the while-loop body)."""
-    model = _compiled(keras.Sequential([keras.Input((4, 3)), keras.layers.RNN(_Cell(5)),
+    model = _compiled(keras.Sequential([keras.Input((4, 3)), keras.layers.RNN(DenseCell(5)),
                                         keras.layers.Dense(2)]))
     rng = np.random.default_rng(3)
     x = rng.normal(size=(5, 4, 3)).astype("float32")
@@ -193,3 +173,48 @@ def test_public_registry_gives_a_declared_subclass_fast_clipping():
            rng.normal(size=(5, 3)).astype("float32"))
     with pytest.raises(TypeError, match="rule"):
         fc.register_clipping_rule(TaggedDense, object())
+
+
+@pytest.mark.parametrize("clipping", ["auto", "exact"])
+@pytest.mark.parametrize("poison", ["nan_input", "huge_input", "inf_label", "inf_weight",
+                                    "nan_weight"])
+def test_one_non_finite_example_is_dropped_not_spread(clipping, poison):
+    """Review finding: one NaN / inf / overflowing example made the whole clipped
+    sum (and after fit every weight) NaN, which tells neighbours apart with
+    certainty. Now a non-finite norm gets clip factor 0 and the example's rows
+    are zeroed: the sum equals the sum without it."""
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(5, activation="tanh")(inputs)
+    h = keras.layers.LayerNormalization()(h)
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=0.0,
+                                      clipping=clipping), loss=MSE)
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(5, 4)).astype("float32")
+    y = rng.normal(size=(5, 3)).astype("float32")
+    w = np.ones(5, "float32")
+    if poison == "nan_input":
+        x[2, 1] = np.nan
+    elif poison == "huge_input":
+        x[2] = 1e30
+    elif poison == "inf_label":
+        y[2, 0] = np.inf
+    elif poison == "inf_weight":
+        w[2] = np.inf
+    else:
+        w[2] = np.nan
+
+    @tf.function
+    def clipped(xs, ys, ws):
+        return dp_clipped_gradient(model, (xs, ys, ws)).grads
+
+    def flat(grads):
+        return np.concatenate([np.ravel(g.numpy()) for g in grads])
+
+    poisoned = flat(clipped(x, y, w))
+    keep = [0, 1, 3, 4]
+    without = flat(clipped(x[keep], y[keep], w[keep]))
+    assert np.all(np.isfinite(poisoned))
+    assert np.linalg.norm(poisoned - without) <= 0.1 * (1 + 1e-5)
+    if poison != "huge_input":  # non-finite: dropped (a finite 1e30 example may count)
+        np.testing.assert_allclose(poisoned, without, rtol=1e-5, atol=1e-7)

@@ -171,7 +171,7 @@ def test_layers_writing_non_trainable_state_are_refused_before_any_update(run_ea
                   loss=SCCE, run_eagerly=run_eagerly)
     before = _weights(model)
     x, y = _data(8)
-    with pytest.raises(ValueError, match="writes non-trainable state"):
+    with pytest.raises(ValueError, match="writes model variables"):
         model.fit(x, y, batch_size=8, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
     assert kdp.ledger_of(model).updates == 0
@@ -356,3 +356,90 @@ def test_mixed_float16_loss_scaling_is_refused_with_the_reason():
                           loss=SCCE)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+# -- review 2: models and losses that mix examples (fast clipping) ------------
+
+
+class _InBatchContrastive(keras.losses.Loss):
+    """Per example [B], but each example's value depends on every other example."""
+
+    def call(self, y_true, y_pred):
+        logits = keras.ops.matmul(y_pred, keras.ops.transpose(y_pred))
+        return -keras.ops.diagonal(keras.ops.log_softmax(logits, axis=-1))
+
+
+def _batch_mean_model():
+    inputs = keras.Input((4,))
+    centred = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True))(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3)(centred))
+
+
+@pytest.mark.parametrize("case", ["batch_mean_layer", "in_batch_contrastive_loss"])
+def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case):
+    """Before: trained silently; one example moved the clipped sum by up to 5.3 C."""
+    keras.utils.set_random_seed(0)
+    if case == "batch_mean_layer":
+        model, loss = _batch_mean_model(), "mse"
+    else:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        loss = _InBatchContrastive()
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0), loss=loss)
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
+    y = np.zeros((6, 3), "float32")
+    before = _weights(model)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="mixes examples"):
+        model.fit(x, y, batch_size=6, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    # the exact engine differentiates each example alone: trainable, and bounded
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0,
+                                      clipping="exact"), loss=loss)
+    model.fit(x, y, batch_size=6, verbose=0)
+    assert kdp.ledger_of(model).updates == 1
+
+
+def test_the_independence_probe_runs_once_and_passes_ordinary_models():
+    model = _dense(noise_multiplier=1.0)
+    x, y = _data(12)
+    model.fit(x, y, batch_size=4, verbose=0)
+    ledger = kdp.ledger_of(model)
+    assert int(ledger.independence_checked.numpy()) == 1 and ledger.updates == 3
+
+
+class _Memorizer(keras.layers.Layer):
+    """Copies the batch's first example into a variable in its forward pass."""
+
+    def __init__(self, how, **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+
+    def build(self, shape):
+        self.mem = self.add_weight(shape=(shape[-1],), initializer="zeros",
+                                   trainable=self.how == "trainable")
+
+    def call(self, x):
+        row = tf.cast(x[0], self.mem.dtype)
+        if self.how == "cond":
+            tf.cond(tf.reduce_sum(row) > -1e30, lambda: self.mem.assign(row),
+                    lambda: self.mem.assign(row))
+        elif self.how == "scatter":
+            self.mem.value.scatter_nd_update([[0]], row[:1])
+        else:
+            self.mem.assign(row)
+        return x
+
+
+@pytest.mark.parametrize("how,clipping", [("assign", "exact"), ("cond", "auto"),
+                                          ("cond", "exact"), ("scatter", "auto"),
+                                          ("trainable", "auto")])
+def test_forward_writes_to_variables_are_refused_wherever_they_hide(how, clipping):
+    """Review finding: plain assigns under clipping='exact' (inside its per-example
+    while loop), writes inside tf.cond, scatter updates and assigns to trainable
+    variables ran, and the variable ended bit-equal to a training example."""
+    model = keras.Sequential([keras.Input((4,)), _Memorizer(how), keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.0, l2_norm_clip=1.0, noise_multiplier=0.0,
+                                      clipping=clipping), loss="mse")
+    x = np.random.default_rng(3).normal(size=(4, 4)).astype("float32")
+    with pytest.raises(ValueError, match="writes model variables"):
+        model.fit(x, np.zeros((4, 3), "float32"), batch_size=4, verbose=0)
+    assert not np.any(model.layers[0].mem.numpy())

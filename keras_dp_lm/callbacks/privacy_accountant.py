@@ -339,8 +339,9 @@ class PrivacyAccountant(keras.callbacks.Callback):
             self.model.stop_training = True
             raise ValueError(
                 "A batch exceeded what PrivacyAccountant assumes (more real examples, "
-                "a higher sampling rate or a smaller noise multiplier); it was "
-                "refused and contributed nothing. Assumed: batch_size="
+                "a higher sampling rate or a smaller noise multiplier), or the model "
+                "mixes examples (refused for fast clipping; use clipping='exact'); it "
+                "was refused and contributed nothing. Assumed: batch_size="
                 f"{self._config['batch_size']:g} ({self._config['batch_size_source']}), "
                 f"q={self._config['sampling_rate']:.6g}, sigma="
                 f"{self._config['noise_multiplier']:g}.")

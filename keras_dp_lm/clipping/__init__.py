@@ -24,6 +24,7 @@ Example:
 from keras_dp_lm.clipping.coverage import clipping_coverage
 from keras_dp_lm.clipping.coverage import coverage_report
 from keras_dp_lm.clipping.coverage import exact_reason
+from keras_dp_lm.clipping.dispatch import clipped_sum
 from keras_dp_lm.clipping.exact import exact_clipped_sum
 from keras_dp_lm.clipping.exact import per_example_gradients
 from keras_dp_lm.clipping.fast import fast_clipped_sum
@@ -31,8 +32,8 @@ from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import UncoveredLayersError
 from keras_dp_lm.clipping.interface import batch_size_of
 from keras_dp_lm.clipping.interface import clip_factors
-from keras_dp_lm.clipping.interface import clipped_sum
 from keras_dp_lm.clipping.interface import onednn_enabled
+from keras_dp_lm.clipping.interface import scale_examples
 from keras_dp_lm.clipping.registry import register_clipping_rule
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "onednn_enabled",
     "per_example_gradients",
     "register_clipping_rule",
+    "scale_examples",
 ]
 
 from keras_dp_lm import _activate_if_pending  # noqa: E402

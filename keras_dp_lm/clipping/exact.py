@@ -16,6 +16,7 @@ from keras_dp_lm.clipping.interface import batch_size_of
 from keras_dp_lm.clipping.interface import clip_factors
 from keras_dp_lm.clipping.interface import losses_and_outputs
 from keras_dp_lm.clipping.interface import onednn_enabled
+from keras_dp_lm.clipping.interface import scale_examples
 
 
 def _tf_variable(v):
@@ -124,7 +125,8 @@ def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
 
         losses, norms, grads = tf.vectorized_map(per_example, [leaves[i] for i in present])
         factors = clip_factors(norms, l2_norm_clip, slot_mask)
-        return ClippedSum([tf.tensordot(factors, g, axes=1) for g in grads], norms, losses)
+        return ClippedSum([tf.reduce_sum(scale_examples(g, factors), axis=0) for g in grads],
+                          norms, losses)
 
     size = batch_size_of(data)
     mask = tf.ones([size], tf.float32) if slot_mask is None else tf.cast(slot_mask, tf.float32)
@@ -133,7 +135,7 @@ def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
         loss, grads = one_example_gradient(loss_fn, _one_example(data, i), variables)
         norm = _global_norm(grads)
         factor = clip_factors(norm, l2_norm_clip, tf.gather(mask, i))
-        sums = [s + factor * g for s, g in zip(sums, grads)]
+        sums = [s + scale_examples(g[None], factor[None])[0] for s, g in zip(sums, grads)]
         return i + 1, sums, losses.write(i, tf.cast(loss, tf.float32)), norms.write(i, norm)
 
     sums = [tf.zeros(v.shape, tf.float32) for v in variables]

@@ -76,6 +76,7 @@ from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import UncoveredLayersError
 from keras_dp_lm.clipping.interface import clip_factors
 from keras_dp_lm.clipping.interface import losses_and_outputs
+from keras_dp_lm.clipping.interface import scale_examples
 from keras_dp_lm.clipping.recording import _Plan
 from keras_dp_lm.clipping.recording import _Recorder
 from keras_dp_lm.clipping.recording import _recording
@@ -192,8 +193,8 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     grads = []
     for v in plan.trainable:
         if id(v) in per_example:
-            g = tf.cast(per_example[id(v)], tf.float32)
-            grads.append(tf.cast(tf.tensordot(factors, g, axes=1), tf.as_dtype(v.dtype)))
+            g = tf.reduce_sum(scale_examples(per_example[id(v)], factors), axis=0)
+            grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
         elif id(v) in by_var:
             g = None
             for c in by_var[id(v)]:

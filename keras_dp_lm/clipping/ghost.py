@@ -17,6 +17,7 @@ from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _prod
 from keras_dp_lm.clipping._common import _static
 from keras_dp_lm.clipping._common import _sum_except_batch
+from keras_dp_lm.clipping.interface import scale_examples
 
 # Caps on the transient memory of one variable's norm computation.  Above the
 # cap the other method is used (if that one fits; else the smaller one).
@@ -31,6 +32,12 @@ class _Call:
 
     def __init__(self, layer, z):
         self.layer, self.z, self.g = layer, z, None
+
+
+def _zero_dropped(t, c):
+    """``t`` with the rows of examples whose clip factor is 0 set to exactly 0."""
+    keep = tf.reshape(tf.cast(c, tf.float32) > 0, [-1] + [1] * (t.shape.rank - 1))
+    return tf.where(keep, t, tf.zeros_like(t))
 
 
 class _Linear:
@@ -64,12 +71,12 @@ class _Linear:
         return self.to_var(tf.einsum("bhtm,bhtn->bhmn", self.X, self.Y), True)
 
     def clipped(self, c):
-        X, Y = self.X, self.Y
-        c4 = tf.reshape(tf.cast(c, X.dtype), [-1, 1, 1, 1])
+        # Both factors' rows of a dropped example are zeroed (not multiplied:
+        # 0 * nan is nan), the smaller one carries the clip factor.
         if _or(self.n, 0) <= _or(self.m, 0):
-            Y = Y * c4
+            X, Y = _zero_dropped(self.X, c), scale_examples(self.Y, c)
         else:
-            X = X * c4
+            X, Y = scale_examples(self.X, c), _zero_dropped(self.Y, c)
         if self.H == 1 and self.m is not None and self.n is not None:
             mat = tf.matmul(tf.reshape(X, [-1, self.m]), tf.reshape(Y, [-1, self.n]),
                             transpose_a=True)[None]
@@ -109,7 +116,7 @@ class _Lookup:
         return tf.reshape(flat, [-1, self.V, self.d])
 
     def clipped(self, c):
-        G = self.G * tf.reshape(tf.cast(c, self.G.dtype), [-1, 1, 1])
+        G = scale_examples(self.G, c)
         return tf.math.unsorted_segment_sum(tf.reshape(G, [-1, self.d]),
                                             tf.reshape(self.ids, [-1]), self.V)
 
@@ -132,7 +139,7 @@ class _PerExample:
         return self.P
 
     def clipped(self, c):
-        return tf.tensordot(tf.cast(c, self.P.dtype), self.P, axes=1)
+        return tf.reduce_sum(scale_examples(self.P, c), axis=0)
 
 
 class _Grams:

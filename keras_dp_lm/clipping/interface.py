@@ -1,10 +1,11 @@
-"""The one interface of per-example clipping: its result type, clip factors and dispatch.
+"""The one interface of per-example clipping: its result type, clip factors and errors.
 
 Every engine returns a :class:`ClippedSum`: the sum over the batch of each
 example's gradient scaled by ``min(1, C / ||g_i||)`` (no noise, not divided),
-the per-example norms and losses. :func:`clipped_sum` picks the engine:
-exact per-example gradients (:mod:`keras_dp_lm.clipping.exact`) or per-layer
-fast rules with exact fallback (:mod:`keras_dp_lm.clipping.fast`).
+the per-example norms and losses. :func:`keras_dp_lm.clipping.clipped_sum`
+(:mod:`keras_dp_lm.clipping.dispatch`) picks the engine: exact per-example
+gradients (:mod:`keras_dp_lm.clipping.exact`) or per-layer fast rules with
+exact fallback (:mod:`keras_dp_lm.clipping.fast`).
 """
 
 import collections
@@ -53,20 +54,41 @@ def onednn_enabled():
 def clip_factors(norms, l2_norm_clip, slot_mask=None):
     """``min(1, C / norm)`` per example, in float32.
 
-    1 for a zero gradient; 0 on padding slots when ``slot_mask`` (1 real,
-    0 padding) is given, so they add exactly nothing to the clipped sum.
+    1 for a zero gradient; 0 for a non-finite norm, and on padding slots when
+    ``slot_mask`` (1 real, 0 padding) is given: with :func:`scale_examples`
+    such examples add exactly nothing to the clipped sum.
 
     Example:
         >>> from keras_dp_lm.clipping import clip_factors
-        >>> clip_factors([0.5, 2.0, 4.0], 1.0, slot_mask=[1, 1, 0]).numpy().tolist()
-        [1.0, 0.5, 0.0]
+        >>> clip_factors([0.5, 2.0, 4.0, float("nan")], 1.0,
+        ...              slot_mask=[1, 1, 0, 1]).numpy().tolist()
+        [1.0, 0.5, 0.0, 0.0]
     """
     norms = tf.cast(norms, tf.float32)
     clip = tf.cast(l2_norm_clip, tf.float32)
-    factors = clip / tf.maximum(norms, clip)
+    # A non-finite norm (a NaN / inf input, label, weight or overflow in one
+    # example) gets factor 0: that example is dropped instead of making the
+    # whole update NaN, which would reveal it with certainty.
+    factors = tf.where(tf.math.is_finite(norms), clip / tf.maximum(norms, clip), 0.0)
     if slot_mask is not None:
         factors = tf.where(tf.cast(slot_mask, tf.float32) > 0, factors, 0.0)
     return factors
+
+
+def scale_examples(per_example, factors):
+    """``factors[i] * per_example[i]`` (float32), exactly 0 where ``factors[i] == 0``.
+
+    ``0 * nan`` is ``nan``: a dropped example's rows are replaced, not multiplied.
+
+    Example:
+        >>> from keras_dp_lm.clipping import scale_examples
+        >>> scale_examples([[2.0, float("inf")], [1.0, 3.0]], [0.0, 0.5]).numpy().tolist()
+        [[0.0, 0.0], [0.5, 1.5]]
+    """
+    per_example = tf.cast(per_example, tf.float32)
+    factors = tf.reshape(tf.cast(factors, tf.float32),
+                         [-1] + [1] * (per_example.shape.rank - 1))
+    return tf.where(factors > 0, per_example * factors, tf.zeros_like(per_example))
 
 
 def batch_size_of(data):
@@ -81,52 +103,3 @@ def losses_and_outputs(result):
     if isinstance(result, (tuple, list)) and len(result) == 2:
         return result[0], result[1]
     return result, None
-
-
-def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None):
-    """Per-example clipping of ``model``'s trainable variables by the chosen engine.
-
-    Args:
-        model: a built Keras 3 model (TensorFlow backend).
-        loss_fn: ``loss_fn(batch) -> [b]`` per-example losses (training-mode
-            forward pass) for any slice of ``data``, or ``(losses, outputs)``
-            so that the fast path can hand the batched outputs back for metrics.
-        data: nested structure of tensors with a leading batch dimension.
-        l2_norm_clip: the clipping bound ``C``.
-        method: ``"exact"`` computes every example's full gradient; ``"fast"``
-            uses per-layer rules and raises :class:`UncoveredLayersError` for
-            uncovered variables; ``"auto"`` uses the rules where they exist and
-            exact per-example gradients for the remaining variables.
-        slot_mask: optional ``[B]``, 0 on padding slots (zero clip factor).
-
-    Returns:
-        :class:`ClippedSum` with ``grads`` in the variables' dtypes.
-
-    Example:
-        >>> import keras, numpy as np
-        >>> from keras_dp_lm.clipping import clipped_sum
-        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-        >>> x, y = np.ones((3, 2), "float32"), np.zeros((3, 1), "float32")
-        >>> def loss_fn(batch):
-        ...     return keras.ops.mean(keras.ops.square(model(batch[0]) - batch[1]), axis=-1)
-        >>> result = clipped_sum(model, loss_fn, (x, y), l2_norm_clip=1e-3)
-        >>> float(keras.ops.norm(result.grads[0])) <= 3 * 1e-3 + 1e-9
-        True
-    """
-    if method == "exact":
-        from keras_dp_lm.clipping.exact import exact_clipped_sum
-
-        def losses_only(part):
-            return losses_and_outputs(loss_fn(part))[0]
-
-        result = exact_clipped_sum(losses_only, data, model.trainable_variables,
-                                   l2_norm_clip, slot_mask=slot_mask)
-    elif method in ("auto", "fast"):
-        from keras_dp_lm.clipping.fast import fast_clipped_sum
-
-        result = fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method=method,
-                                  slot_mask=slot_mask)
-    else:
-        raise ValueError(f"method must be 'auto', 'fast' or 'exact', got {method!r}.")
-    grads = [tf.cast(g, v.dtype) for g, v in zip(result.grads, model.trainable_variables)]
-    return result._replace(grads=grads)

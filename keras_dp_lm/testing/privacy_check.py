@@ -39,6 +39,10 @@ from keras_dp_lm.training import per_example_losses
 _REFUSALS = (ValueError, TypeError, NotImplementedError)
 
 
+class _Refused(Exception):
+    """The DP step refused the model (raised by the step, not by the checker)."""
+
+
 @dataclasses.dataclass
 class PrivacyCheckReport:
     """What :func:`check_privacy` measured; ``passed`` says whether every check held."""
@@ -191,11 +195,16 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
     @tf.function(reduce_retracing=True)
     def clipped(x, y, sample_weight):
         result = dp_clipped_gradient(model, (x, y, sample_weight))
-        return result.grads, result.norms
+        mask = result.mask if result.mask is not None else tf.ones_like(result.norms)
+        return result.grads, result.norms, mask
 
     def step(x, y, sample_weight):
-        grads, norms = clipped(x, y, sample_weight)
-        return _flat([g.numpy() for g in grads]), norms.numpy()
+        try:
+            grads, norms, mask = clipped(x, y, sample_weight)
+        except _REFUSALS as error:  # only the DP step's own refusals count as refusals
+            raise _Refused(f"{type(error).__name__}: {error}") from error
+        # accumulation pads the batch to a multiple of its steps: keep real slots
+        return _flat([g.numpy() for g in grads]), norms.numpy()[mask.numpy() > 0]
 
     rng = np.random.default_rng(seed)
     try:
@@ -246,8 +255,8 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
                           adversarial_scale)
             second, _ = step(qx, qy, attach_real_slots(pw, pad))
             report.padding_inert = report.padding_inert and bool(np.array_equal(first, second))
-    except _REFUSALS as error:
-        report.refused = f"{type(error).__name__}: {error}"
+    except _Refused as refusal:
+        report.refused = str(refusal)
     after = [np.array(v.numpy()) for v in model.trainable_variables]
     report.weights_unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
     if report.refused is None:

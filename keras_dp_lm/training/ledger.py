@@ -66,6 +66,11 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             self.violations = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_violations",
                 aggregation="only_first_replica")
+            # 1 once fast clipping's example-independence probe has passed
+            # (not saved: a reloaded model is probed again on its first batch).
+            self.independence_checked = keras.Variable(
+                0, dtype="int64", trainable=False, name="dp_ledger_independence_checked",
+                aggregation="only_first_replica")
 
     # -- Keras saving (the ledger is saved with the model's weights) ---------
     def _obj_type(self):

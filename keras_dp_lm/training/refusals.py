@@ -12,7 +12,13 @@ These break that, so the DP step refuses them before any update:
   in training (moving statistics, caches, counters), found when the step is
   traced;
 * data-dependent losses: activity regularizers and ``add_loss`` on
-  activations (see :mod:`keras_dp_lm.training.losses`).
+  activations (see :mod:`keras_dp_lm.training.losses`);
+* for fast clipping, which takes every example's gradient from one batched
+  pass, any model or loss in which one example's per-example loss depends on
+  another example (a ``Lambda`` subtracting the batch mean, attention across
+  the batch axis, an in-batch contrastive loss): found by
+  :func:`examples_independent` on the first batch (``clipping="exact"``
+  differentiates each example alone and is not affected).
 
 Random-number state (dropout's seed generators) is written too, but it
 depends on no data and is allowed.
@@ -66,7 +72,48 @@ def check_model(model):
                 "reduction. Remove it (weight regularizers are fine).")
 
 
-_WRITE_OPS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+_WRITE_OPS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+              "ResourceStridedSliceAssign")
+# Ops whose functions run nested graphs: (function attributes, offset of the
+# nested graph's first input among the op's inputs).
+_NESTED_CALLS = {
+    "While": (("cond", "body"), 0), "StatelessWhile": (("cond", "body"), 0),
+    "If": (("then_branch", "else_branch"), 1), "StatelessIf": (("then_branch", "else_branch"), 1),
+    "PartitionedCall": (("f",), 0), "StatefulPartitionedCall": (("f",), 0),
+}
+
+
+def _is_write(op):
+    return op.type in _WRITE_OPS or op.type.startswith("ResourceScatter")
+
+
+def _written_variables(graph, ops, variable_of):
+    """Variables written by ``ops`` or any graph nested in them (while / cond
+    bodies, function calls), following resource handles into nested graphs.
+
+    ``variable_of`` maps a resource tensor's ``ref()`` to its variable.
+    """
+    written = []
+    for op in ops:
+        if _is_write(op) and op.inputs and op.inputs[0].ref() in variable_of:
+            written.append(variable_of[op.inputs[0].ref()])
+        attrs, offset = _NESTED_CALLS.get(op.type, ((), 0))
+        for attr in attrs:
+            try:
+                body = graph._get_function(op.get_attr(attr).name).graph  # TF, not Keras
+            except (AttributeError, ValueError, TypeError):
+                continue
+            inner = {}
+            for i, tensor in enumerate(body.inputs):
+                j = i + offset
+                if j < len(op.inputs) and op.inputs[j].ref() in variable_of:
+                    inner[tensor.ref()] = variable_of[op.inputs[j].ref()]
+            for external, internal in getattr(body, "captures", ()):
+                if external.ref() in variable_of:
+                    inner[internal.ref()] = variable_of[external.ref()]
+            if inner:
+                written += _written_variables(body, body.get_operations(), inner)
+    return written
 
 
 def _seed_state_ids(model):
@@ -79,13 +126,18 @@ def _seed_state_ids(model):
 
 def without_state_updates(model, forward):
     """Run ``forward()`` (the training forward/backward) and refuse if it
-    wrote a non-trainable variable other than a random seed state.
+    wrote a model variable (trainable or not) other than a random seed state.
 
     Checked on the traced graph (``fit`` and ``make_private`` trace the
-    step); in eager mode, by comparing the variables' values.
+    step), including graphs nested in it (``tf.while_loop`` / ``tf.cond``
+    bodies, e.g. the exact engine's per-example loop, and function calls),
+    for every variable-writing op (assign, scatter, strided-slice assign); in
+    eager mode, by comparing the variables' values.
     """
     seeds = _seed_state_ids(model)
-    watched = [v for v in model.non_trainable_variables if id(v) not in seeds]
+    # trainable variables too: a forward pass that assigns one (from data)
+    # changes the weights outside the clipped, noised update.
+    watched = [v for v in model.variables if id(v) not in seeds]
     if not watched:
         return forward()
     graph = tf.compat.v1.get_default_graph()
@@ -105,16 +157,75 @@ def without_state_updates(model, forward):
         for external, internal in getattr(graph, "captures", ()):
             if id(external) in handles:
                 placeholders[internal.ref()] = handles[id(external)]
-        written = []
-        for op in graph.get_operations()[start:]:
-            if op.type in _WRITE_OPS and op.inputs and op.inputs[0].ref() in placeholders:
-                written.append(placeholders[op.inputs[0].ref()])
+        written = _written_variables(graph, graph.get_operations()[start:], placeholders)
     if written:
         names = ", ".join(sorted({getattr(v, "path", v.name) for v in written}))
         raise ValueError(
-            f"The training forward pass writes non-trainable state ({names}). "
+            f"The training forward pass writes model variables ({names}). "
             "State updated from a batch carries that batch's data into later "
             "steps outside any clipped gradient (e.g. moving statistics, RNN "
             "state, caches). Freeze or remove the layer that writes it, or make "
             "it stateless.")
     return result
+
+
+_PROBE_ROWS = 8
+
+
+def _replace_first(structure, donor):
+    """Slot 0 of every tensor of ``structure`` replaced by slot ``donor``."""
+    def one(t):
+        if t is None or t.shape.rank == 0:
+            return t
+        rows = tf.shape(t)[0]
+        index = tf.where(tf.range(rows) == 0, donor, tf.range(rows))
+        return tf.gather(t, index)
+    return tf.nest.map_structure(one, structure)
+
+
+def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
+    """Whether each example's loss depends on that example alone (a bool tensor).
+
+    Runs ``losses_fn(batch) -> [B]`` (inference mode, so dropout draws nothing)
+    on the batch and on the batch with example 0 replaced by example 1: every
+    other example's loss must stay the same and example 0's must become example
+    1's. A layer or loss that mixes examples (batch statistics, attention or
+    similarity across the batch) changes them. Once a batch with two distinct
+    real examples has passed, later steps skip the probe (the model's structure
+    does not change); a failing probe makes the DP step refuse the batch.
+    """
+    ledger = _ledger(model)
+    # A few rows suffice to see mixing, and keep the probe cheap for huge
+    # (accumulated) logical batches.
+    batch = tf.nest.map_structure(
+        lambda t: t if t is None or t.shape.rank == 0 else t[:_PROBE_ROWS], batch)
+    mask = mask[:_PROBE_ROWS]
+    if mask.shape[0] is not None and mask.shape[0] < 2:
+        return tf.constant(True)  # one example: nothing to mix with
+
+    def probe():
+        losses = tf.cast(losses_fn(batch), tf.float32)
+        swapped = tf.cast(losses_fn(_replace_first(batch, 1)), tf.float32)
+        expected = tf.concat([losses[1:2], losses[1:]], axis=0)
+        tolerance = rtol * (tf.abs(expected) + 1e-6)
+        real = tf.cast(mask, tf.float32) > 0
+        both_real = real[0] & real[1]
+        same = tf.reduce_all(tf.where(real, tf.abs(swapped - expected) <= tolerance, True))
+        # a meaningful probe: slot 0 and slot 1 differ in loss
+        distinct = both_real & (tf.abs(losses[0] - losses[1]) > tolerance[0])
+        return tf.logical_or(same, tf.logical_not(both_real)), distinct
+
+    def skip():
+        return tf.constant(True), tf.constant(False)
+
+    size = tf.shape(mask)[0]
+    needed = (ledger.independence_checked < 1) & (size >= 2)
+    ok, done = tf.cond(needed, probe, skip)
+    ledger.independence_checked.assign(
+        tf.maximum(ledger.independence_checked, tf.cast(done & ok, tf.int64)))
+    return ok
+
+
+def _ledger(model):
+    from keras_dp_lm.training.ledger import ledger_of  # no import cycle
+    return ledger_of(model)

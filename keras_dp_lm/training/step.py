@@ -220,14 +220,31 @@ def dp_train_step(model, data):
             "by the expected batch size, never by the data-dependent number of real "
             "examples: pass expected_batch_size=sampling_rate * dataset_size to the "
             "DP optimizer.")
-    result = _clipped_batch(model, (x, y, sample_weight), mask, update_metrics=True)
+    independent = tf.constant(True)
+    if optimizer.clipping != "exact":
+        def inference_losses(part):
+            px, py, psw = part
+            return per_example_losses(model, px, py, model(px, training=False), psw)
+
+        independent = refusals.examples_independent(
+            model, inference_losses, (x, y, sample_weight), mask)
+    refuse_mixing = tf.debugging.Assert(independent, [
+        "keras_dp_lm refused the batch: one example's loss depends on other examples "
+        "of the batch (a layer or loss mixes examples: batch statistics, attention or "
+        "similarity across the batch axis). Fast clipping cannot bound such a model. "
+        "Make each example's loss depend on that example alone, or compile the DP "
+        "optimizer with clipping='exact' (each example differentiated alone)."])
+    with tf.control_dependencies([refuse_mixing]):
+        result = _clipped_batch(model, (x, y, sample_weight), mask, update_metrics=True)
     real = tf.reduce_sum(result.mask)
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.num_replicas_in_sync > 1:
         real = ctx.all_reduce(tf.distribute.ReduceOp.SUM, real)
     rate = tf.constant(0.0, tf.float64) if rate is None else tf.cast(
         tf.reshape(rate, [-1])[0], tf.float64)
-    ok = ledger.check(sigma, rate, real)
+    ok = ledger.check(sigma, rate, real) & independent
+    with tf.control_dependencies([refuse_mixing]):  # its message first
+        ok = tf.identity(ok)
     check = tf.debugging.Assert(ok, [
         "keras_dp_lm refused a batch beyond what the accountant assumes "
         "(limits: noise_multiplier >=, sampling_rate <=, real batch <=; then this "
