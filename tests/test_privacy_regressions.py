@@ -443,3 +443,14 @@ def test_forward_writes_to_variables_are_refused_wherever_they_hide(how, clippin
     with pytest.raises(ValueError, match="writes model variables"):
         model.fit(x, np.zeros((4, 3), "float32"), batch_size=4, verbose=0)
     assert not np.any(model.layers[0].mem.numpy())
+
+
+def test_a_nan_example_in_the_first_batch_does_not_trip_the_independence_probe():
+    """The probe compares finite losses only: a NaN example is dropped by the
+    clipping, and must not stop the run (a data-dependent refusal reveals it)."""
+    model = _dense(noise_multiplier=1.0)
+    x, y = _data(8)
+    x[2, 0] = np.nan   # a compared slot of the probe (slot 0 is replaced)
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert kdp.ledger_of(model).updates == 2
+    assert all(np.all(np.isfinite(w)) for w in _weights(model))
