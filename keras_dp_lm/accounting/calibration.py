@@ -68,7 +68,9 @@ def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
             return coarse[sigma]
 
         start = _smallest_noise_within(coarse_eps, target_epsilon, start, rtol) or start
-        sigma = _refine_near(eps, target_epsilon, start, rtol)
+        # From a start within a few rtol the same search closes the bracket
+        # in about two fine evaluations.
+        sigma = _smallest_noise_within(eps, target_epsilon, start, rtol)
     else:
         sigma = _smallest_noise_within(eps, target_epsilon, start, rtol)
     if sigma is None:  # secant search did not converge: dp_accounting's solver
@@ -96,47 +98,6 @@ def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
             return sigma
         sigma *= 1 + rtol / 4
     raise RuntimeError("Noise calibration failed to meet the target epsilon.")
-
-
-def _refine_near(eps, target, start, rtol, max_evals=12):
-    """Like :func:`_smallest_noise_within` from a start within a few ``rtol``.
-
-    One probe at ``start``, one a step ``rtol`` toward the target, then secant
-    steps in log-log space (epsilon is smooth in sigma), each followed by a
-    probe just across the estimate so the bracket closes. Typically 3-4
-    evaluations.
-    """
-    lo = hi = None
-    points = []
-
-    def probe(x):
-        nonlocal lo, hi
-        value = eps(x)
-        points.append((x, value))
-        if value <= target:
-            hi = x if hi is None else min(hi, x)
-        else:
-            lo = x if lo is None else max(lo, x)
-
-    probe(start)
-    probe(start / (1 + rtol) if hi is not None else start * (1 + rtol))
-    while len(points) < max_evals:
-        if lo is not None and hi is not None and hi - lo <= rtol * hi:
-            return hi
-        (x1, e1), (x2, e2) = points[-2:]
-        if e1 > 0 and e2 > 0 and e1 != e2 and x1 != x2:
-            slope = (math.log(e2) - math.log(e1)) / (math.log(x2) - math.log(x1))
-            estimate = math.exp(math.log(x2) + (math.log(target) - math.log(e2)) / slope)
-        else:
-            estimate = math.sqrt(lo * hi) if lo and hi else start
-        if lo is not None and hi is not None and not lo < estimate < hi:
-            estimate = math.sqrt(lo * hi)
-        # land just on the safe side of the estimate, then just across it
-        probe(estimate * (1 + rtol / 3))
-        if lo is not None and hi is not None and hi - lo <= rtol * hi:
-            return hi
-        probe(estimate / (1 + rtol / 3))
-    return _smallest_noise_within(eps, target, start, rtol)
 
 
 def _smallest_noise_within(eps, target, start, rtol, max_evals=40):

@@ -243,6 +243,17 @@ def _padding_like(leaf, size):
     return np.broadcast_to(leaf[:1], shape).copy()
 
 
+def _check_sampling(sampling_rate, max_batch_size, overflow, num_steps):
+    """Checked ``(sampling_rate, max_batch_size, num_steps)``; one epoch by default."""
+    sampling_rate = _check_rate(sampling_rate)
+    max_batch_size = _check_int("max_batch_size", max_batch_size)
+    if overflow not in OVERFLOW_MODES:
+        raise ValueError(f"`overflow` must be one of {OVERFLOW_MODES}, got {overflow!r}.")
+    if num_steps is None:
+        num_steps = math.ceil(1 / sampling_rate)
+    return sampling_rate, max_batch_size, _check_int("num_steps", num_steps)
+
+
 def iter_poisson_batches(data, sampling_rate, max_batch_size, seed=None,
                          num_steps=None, overflow="raise", rng=None, padding="max",
                          bucket_ratio=1.15):
@@ -258,14 +269,9 @@ def iter_poisson_batches(data, sampling_rate, max_batch_size, seed=None,
         >>> [split_real_slots(b[2])[0].shape for b in batches]
         [(10,), (10,)]
     """
-    sampling_rate = _check_rate(sampling_rate)
-    max_batch_size = _check_int("max_batch_size", max_batch_size)
-    if overflow not in OVERFLOW_MODES:
-        raise ValueError(f"`overflow` must be one of {OVERFLOW_MODES}, got {overflow!r}.")
+    sampling_rate, max_batch_size, num_steps = _check_sampling(
+        sampling_rate, max_batch_size, overflow, num_steps)
     data, leaves, n = _flatten_examples(data)
-    if num_steps is None:
-        num_steps = math.ceil(1 / sampling_rate)
-    num_steps = _check_int("num_steps", num_steps)
     has_weight = len(data) == 3
     if rng is None:
         rng = np.random.default_rng(seed)  # seed=None: OS entropy
@@ -357,14 +363,9 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
         >>> int(ds.cardinality()), tuple(ds.element_spec[0].shape)
         (5, (None, 3))
     """
-    sampling_rate = _check_rate(sampling_rate)
-    max_batch_size = _check_int("max_batch_size", max_batch_size)
-    if overflow not in OVERFLOW_MODES:
-        raise ValueError(f"`overflow` must be one of {OVERFLOW_MODES}, got {overflow!r}.")
+    sampling_rate, max_batch_size, num_steps = _check_sampling(
+        sampling_rate, max_batch_size, overflow, num_steps)
     data, leaves, n = _flatten_examples(dataset_or_arrays)
-    if num_steps is None:
-        num_steps = math.ceil(1 / sampling_rate)
-    num_steps = _check_int("num_steps", num_steps)
     risk = overflow_probability(n, sampling_rate, max_batch_size, num_steps)
     if risk > 1e-6:
         warnings.warn(
