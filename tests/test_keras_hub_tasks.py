@@ -61,3 +61,15 @@ def test_pretrained_minilm_bert_classifier_fine_tunes_with_dp_adam():
     assert np.isfinite(history.history["loss"][0])
     assert history.history["accuracy"][0] * 8 == pytest.approx(
         round(history.history["accuracy"][0] * 8))  # 8 examples
+
+
+def test_llama_causal_lm_fits_under_xla_with_dp_adam():
+    """Regression: with jit_compile=True the wrapped Adam's slots were created inside
+    the XLA function and read uninitialised (FailedPreconditionError)."""
+    lm = testing.tiny_llama_causal_lm(TEXTS * 4, vocabulary_size=300, sequence_length=16)
+    lm.compile(optimizer=kdp.DPAdam(learning_rate=1e-3, l2_norm_clip=1.0,
+                                    noise_multiplier=0.5, seed=0),
+               jit_compile=True)
+    history = lm.fit(TEXTS, batch_size=4, epochs=1, verbose=0)
+    assert int(lm.optimizer.dp_updates.numpy()) == 2
+    assert np.isfinite(history.history["loss"][0])

@@ -210,6 +210,12 @@ def dp_train_step(model, data):
     optimizer = model.optimizer
     refusals.check_model(model)
     optimizer.freeze_privacy_parameters()
+    if not optimizer.built:
+        # Keras builds an unbuilt optimizer inside the traced step; under XLA
+        # (jit_compile=True) the wrapped optimizer's slots would then be read
+        # before they are initialised. Build them eagerly, outside the trace.
+        with tf.init_scope():
+            optimizer.build(model.trainable_variables)
     sigma = float(optimizer.noise_multiplier)
     ledger = ledger_of(model)
     x, y, sample_weight, mask, rate = _unpack(data)
