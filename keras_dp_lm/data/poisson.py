@@ -11,6 +11,24 @@ KerasHub preprocessor does with ``sample_weight``, so they change nothing.
 Each batch also carries its rate ``q``, which the step records in the model's
 privacy ledger and checks against the accountant's before the update.
 
+Only the sampling happens in Python: per step the generator draws the
+``Binomial(N, q)`` count, the uniform subset and the bucket, and yields just
+those indices. The examples are held once as tensors and each batch is a
+``tf.gather`` inside ``tf.data``. Raw records (e.g. a list of strings) can be
+given with ``preprocessor=`` (e.g. a KerasHub ``CausalLMPreprocessor``): it
+runs in ``dataset.map`` on each drawn batch only, so nothing is tokenized
+before the first step, and the real-slot mask is attached after it (its own
+``sample_weight``, such as a causal LM's ``[B, T]`` padding mask, is kept and
+zeroed on padding slots). Batches come out preprocessed, so a KerasHub task
+is fitted with ``task.preprocessor = None``::
+
+    preprocessor, lm.preprocessor = lm.preprocessor, None
+    cap = suggest_max_batch_size(N, q, steps)
+    ds = poisson_batches(records, q, cap, num_steps=steps, preprocessor=preprocessor)
+    lm.compile(optimizer=kdp.DPAdam(..., expected_batch_size=q * N), weighted_metrics=[])
+    lm.fit(ds, callbacks=[kdp.PrivacyAccountant(delta=..., batches=ds)])
+    lm.preprocessor = preprocessor  # for generate() / evaluation
+
 Two things the user must do:
 
 * Divide by the EXPECTED batch size: the optimizer must not divide by the
@@ -40,6 +58,22 @@ Example:
     (True, True, True)
     >>> opt = kdp.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
     ...                 expected_batch_size=q * 1000)
+
+Raw strings through a KerasHub preprocessor, tokenized per drawn batch:
+
+    >>> import keras_hub
+    >>> from keras_dp_lm import testing
+    >>> records = [line for line in testing.DEFAULT_TEXT.splitlines() if line] * 40
+    >>> preprocessor = keras_hub.models.LlamaCausalLMPreprocessor(
+    ...     tokenizer=testing.llama_tokenizer(vocabulary_size=512), sequence_length=16)
+    >>> ds = poisson_batches(records, 0.02, 60, seed=0, num_steps=10,
+    ...                      preprocessor=preprocessor)
+    >>> x, y, marked = next(iter(ds))
+    >>> real, rate, weight = split_real_slots(marked)  # weight: the [B, 16] padding mask
+    >>> sorted(x), tuple(y.shape) == tuple(weight.shape) == (len(real), 16)
+    (['padding_mask', 'token_ids'], True)
+    >>> float(weight.numpy()[real.numpy() == 0].sum())  # padding slots weigh nothing
+    0.0
 """
 
 import bisect
@@ -178,17 +212,33 @@ def suggest_max_batch_size(dataset_size, sampling_rate, steps, max_overflow_prob
     return min(size, n)
 
 
-def _flatten_examples(data):
-    """(structure, leaves, n) of an (x, y[, sample_weight]) tuple of arrays."""
+def _is_record_list(data):
+    """A Python list/tuple of raw records (strings, bytes or numbers), not of arrays."""
+    return isinstance(data, (list, tuple)) and len(data) > 0 and all(
+        isinstance(r, (str, bytes, numbers.Number, np.generic)) for r in data)
+
+
+def _flatten_examples(data, raw=False):
+    """(structure, leaves, n) of an (x, y[, sample_weight]) tuple of arrays.
+
+    With ``raw`` (a preprocessor is given), ``data`` may also be the raw
+    records alone: a list or array of strings (or a dict of arrays), read as
+    ``(x,)``; and ``(x,)`` is accepted.
+    """
     if isinstance(data, tf.data.Dataset):
         data = _materialize(data)
-    if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
+    if raw and (_is_record_list(data) or not isinstance(data, (tuple, list))):
+        data = (data,)
+    lengths = (1, 2, 3) if raw else (2, 3)
+    if not isinstance(data, (tuple, list)) or len(data) not in lengths:
         raise ValueError(
             "poisson_batches expects (x, y) or (x, y, sample_weight) (each an "
             "array or a dict/list of arrays), or a tf.data.Dataset of unbatched "
-            f"such tuples; got {type(data).__name__}.")
-    data = tuple(data)
-    leaves = [np.asarray(leaf) for leaf in tf.nest.flatten(data)]
+            "such tuples; raw records (e.g. a list of strings) need "
+            f"`preprocessor=`; got {type(data).__name__}.")
+    # a component given as a Python list of records is one array, not a structure
+    data = tuple(_as_array(part) if _is_record_list(part) else part for part in data)
+    leaves = [_as_array(leaf) for leaf in tf.nest.flatten(data)]
     if not leaves:
         raise ValueError("poisson_batches got no arrays.")
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
@@ -197,6 +247,15 @@ def _flatten_examples(data):
             "All arrays must have the same leading (example) dimension; got "
             f"sizes {sorted(s for s in sizes if s is not None)}.")
     return data, leaves, sizes.pop()
+
+
+def _as_array(leaf):
+    if isinstance(leaf, tf.Tensor):
+        return leaf.numpy()
+    if _is_record_list(leaf) and isinstance(leaf[0], (str, bytes)):
+        # object array: memory follows each string's length, not N x the longest
+        return np.array(leaf, dtype=object)
+    return np.asarray(leaf)
 
 
 def _materialize(dataset):
@@ -286,7 +345,12 @@ def _buckets(padding, n, q, cap, ratio):
     return [cap] if padding == "max" else padding_buckets(n, q, cap, ratio)
 
 
-def _generate(data, leaves, n, q, cap, num_steps, overflow, has_weight, rng, buckets):
+def _draws(n, q, cap, num_steps, overflow, rng, buckets):
+    """Per step: ``(index, size)``, the sorted drawn example indices and the padded size.
+
+    The only randomness of the sampler; the NumPy generator and the
+    ``tf.data`` pipeline both consume it, so a seed gives the same draws.
+    """
     for _ in range(num_steps):
         count = int(rng.binomial(n, q))
         if count > cap:
@@ -301,7 +365,12 @@ def _generate(data, leaves, n, q, cap, num_steps, overflow, has_weight, rng, buc
         # Poisson sampling == a Binomial(n, q) size and a uniform subset of it.
         # (With truncation: a uniform subset of `cap` of the drawn examples.)
         index = np.sort(rng.choice(n, size=count, replace=False))
-        size = buckets[bisect.bisect_left(buckets, count)]
+        yield index, buckets[bisect.bisect_left(buckets, count)]
+
+
+def _generate(data, leaves, n, q, cap, num_steps, overflow, has_weight, rng, buckets):
+    for index, size in _draws(n, q, cap, num_steps, overflow, rng, buckets):
+        count = len(index)
         out = []
         for leaf in leaves:
             padded = _padding_like(leaf, size)
@@ -320,12 +389,86 @@ def _generate(data, leaves, n, q, cap, num_steps, overflow, has_weight, rng, buc
         yield x, y, attach_real_slots(weight, real, np.float64(q))
 
 
+def _index_batches(n, q, cap, num_steps, overflow, rng, buckets):
+    """``(slot index [size] int64, count)`` per step: padding slots point at example 0."""
+    for index, size in _draws(n, q, cap, num_steps, overflow, rng, buckets):
+        slots = np.zeros((size,), np.int64)
+        slots[:len(index)] = index
+        yield slots, np.int32(len(index))
+
+
+def _is_numeric(dtype):
+    return not (dtype == tf.string or dtype == tf.variant or dtype == tf.resource)
+
+
+def _gather_slots(tensors, slots, count):
+    """The batch ``tensors[slots]`` with real-slot mask; numeric padding slots are 0.
+
+    String padding slots repeat example 0 (their weight is 0 and the DP step
+    zeroes their loss), so a preprocessor always sees valid records.
+    """
+    real = tf.range(tf.shape(slots)[0], dtype=tf.int32) < count
+    real = tf.ensure_shape(real, slots.shape)
+    out = []
+    for tensor in tensors:
+        batch = tf.gather(tensor, slots)
+        if _is_numeric(batch.dtype):
+            batch = tf.where(_rows(real, batch), batch, tf.zeros_like(batch))
+        out.append(batch)
+    return out, tf.cast(real, tf.float32)
+
+
+def _rows(mask, like):
+    """``mask`` [B] reshaped to broadcast over the rows of ``like``."""
+    rank = like.shape.rank
+    if rank is not None:
+        return tf.reshape(mask, [-1] + [1] * (rank - 1))
+    return tf.reshape(mask, tf.concat([[-1], tf.ones([tf.rank(like) - 1], tf.int32)], 0))
+
+
+def _float_weight(weight):
+    if weight is None:
+        return None
+    weight = tf.convert_to_tensor(weight)
+    if not weight.dtype.is_floating:
+        weight = tf.cast(weight, tf.float32)
+    return weight
+
+
+def _zero_padding_weight(weight, real):
+    """``weight`` with padding rows 0 (the DP step masks them anyway)."""
+    if weight is None:
+        return None
+    return weight * _rows(tf.cast(real, weight.dtype), weight)
+
+
+def _check_rows(structure, size):
+    """Assert a preprocessor kept one output row per input row."""
+    checks = []
+    for leaf in tf.nest.flatten(structure):
+        if isinstance(leaf, tf.RaggedTensor):
+            rows = leaf.nrows()
+        elif isinstance(leaf, tf.Tensor) and leaf.shape.rank != 0:
+            rows = tf.shape(leaf)[0]
+        else:
+            continue
+        checks.append(tf.debugging.assert_equal(
+            tf.cast(rows, tf.int32), size,
+            message="poisson_batches: the preprocessor must return one row per input "
+                    "row (row-wise preprocessing), or padding slots would be misplaced"))
+    return checks
+
+
 def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
-                    num_steps=None, overflow="raise", padding="bucket", bucket_ratio=1.15):
+                    num_steps=None, overflow="raise", padding="bucket", bucket_ratio=1.15,
+                    preprocessor=None):
     """A ``tf.data.Dataset`` of Poisson-sampled, padded batches.
 
     Each step includes every example independently with probability
     ``sampling_rate`` (a ``Binomial(N, q)`` count, then a uniform subset).
+    Python only draws the indices; the examples are held as tensors and
+    gathered inside ``tf.data`` (``tf.gather``), and a ``preprocessor`` runs
+    there too, on the drawn batch only: nothing is tokenized up front.
     With ``padding="bucket"`` (default) a batch is padded to the smallest of
     :func:`padding_buckets` that holds it (padded compute <= ``bucket_ratio``
     x the real one; the batch dimension is then unknown to ``tf.function``,
@@ -342,8 +485,10 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
         dataset_or_arrays: ``(x, y)`` or ``(x, y, sample_weight)``, each an
             array or a nested dict/list of arrays with N rows; or a finite
             ``tf.data.Dataset`` of such unbatched tuples (loaded into memory).
+            With a ``preprocessor``: the raw records, e.g. a list or 1-D array
+            of N strings (or ``(x,)``, ``(x, y)``, ``(x, y, sample_weight)``).
         sampling_rate: q.
-        max_batch_size: static batch dimension; see :func:`suggest_max_batch_size`.
+        max_batch_size: the largest batch; see :func:`suggest_max_batch_size`.
         seed: for tests only. ``None`` (default) seeds from OS entropy; a fixed
             seed makes a resumed run repeat the first run's draws.
         num_steps: batches per pass over the dataset object (= ``fit``'s steps
@@ -352,6 +497,16 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
         overflow: ``"raise"`` (default) or ``"truncate"``; see the module docstring.
         padding: ``"bucket"`` (default) or ``"max"``.
         bucket_ratio: spacing of the buckets.
+        preprocessor: optional callable mapping a padded batch of drawn raw
+            examples, ``preprocessor(x)`` (or ``(x, y)``, ``(x, y, sample_weight)``
+            as given), to ``(x, y, sample_weight)``, ``(x, y)`` or ``x``, in
+            graph mode inside ``dataset.map``, row-wise (one output row per
+            input row), e.g. a KerasHub ``CausalLMPreprocessor``. The real-slot
+            mask is attached after it, and its ``sample_weight`` (e.g. the
+            ``[B, T]`` padding mask) is zeroed on padding slots. Padding slots
+            it sees repeat example 0 (numeric inputs: zeros). A KerasHub task
+            fitted on these batches must have ``task.preprocessor = None``
+            (the batches are already preprocessed).
 
     The optimizer must divide by ``q * N``: ``DPAdam(..., expected_batch_size=q * N)``;
     tell the accountant ``PrivacyAccountant(..., batches=dataset)``.
@@ -362,10 +517,30 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
         ...                      num_steps=5)
         >>> int(ds.cardinality()), tuple(ds.element_spec[0].shape)
         (5, (None, 3))
+
+        Raw strings, preprocessed only when drawn (``preprocess`` stands in
+        for a KerasHub ``CausalLMPreprocessor``; see the module docstring):
+
+        >>> import tensorflow as tf
+        >>> records = [f"record {i}" for i in range(1000)]
+        >>> def preprocess(text):
+        ...     number = tf.strings.to_number(tf.strings.split(text).to_tensor()[:, 1], tf.int32)
+        ...     return {"number": number}, number, tf.ones_like(number, tf.float32)
+        >>> ds = poisson_batches(records, 0.01, 40, seed=0, num_steps=3,
+        ...                      preprocessor=preprocess)
+        >>> x, y, marked = next(iter(ds))
+        >>> real, rate, weight = split_real_slots(marked)
+        >>> n = int(real.numpy().sum())  # about 10 drawn records, padded to a bucket
+        >>> len(set(y.numpy()[:n].tolist())) == n, float(rate) == 0.01
+        (True, True)
+        >>> weight.numpy().tolist() == real.numpy().tolist()  # padding slots weigh 0
+        True
     """
     sampling_rate, max_batch_size, num_steps = _check_sampling(
         sampling_rate, max_batch_size, overflow, num_steps)
-    data, leaves, n = _flatten_examples(dataset_or_arrays)
+    if preprocessor is not None and not callable(preprocessor):
+        raise ValueError(f"`preprocessor` must be callable, got {preprocessor!r}.")
+    data, leaves, n = _flatten_examples(dataset_or_arrays, raw=preprocessor is not None)
     risk = overflow_probability(n, sampling_rate, max_batch_size, num_steps)
     if risk > 1e-6:
         warnings.warn(
@@ -377,28 +552,53 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
     rng = np.random.default_rng(seed)  # shared by every pass: fresh draws each epoch
     buckets = _buckets(padding, n, sampling_rate, max_batch_size, bucket_ratio)
     batch_dim = max_batch_size if len(buckets) == 1 else None
-
-    def spec(leaf):
-        dtype = tf.string if leaf.dtype.kind in "SUO" else tf.as_dtype(leaf.dtype)
-        return tf.TensorSpec((batch_dim,) + leaf.shape[1:], dtype)
-
-    leaf_specs = tf.nest.pack_sequence_as(data, [spec(leaf) for leaf in leaves])
-    if len(data) == 3:
-        x_spec, y_spec, w_spec = leaf_specs
-        if w_spec.dtype not in (tf.float16, tf.float32, tf.float64):
-            w_spec = tf.TensorSpec(w_spec.shape, tf.float32)
-    else:
-        (x_spec, y_spec), w_spec = leaf_specs, None
-    w_spec = attach_real_slots(w_spec, tf.TensorSpec((batch_dim,), tf.float32),
-                               tf.TensorSpec((), tf.float64))
+    # The examples, held once as tensors: every batch is a tf.gather from them.
+    tensors = [tf.constant(leaf) for leaf in leaves]
 
     def generator():
-        return _generate(data, leaves, n, sampling_rate, max_batch_size, num_steps,
-                         overflow, len(data) == 3, rng, buckets)
+        return _index_batches(n, sampling_rate, max_batch_size, num_steps, overflow,
+                              rng, buckets)
 
-    dataset = tf.data.Dataset.from_generator(
-        generator, output_signature=(x_spec, y_spec, w_spec))
-    dataset = dataset.apply(tf.data.experimental.assert_cardinality(num_steps))
+    indices = tf.data.Dataset.from_generator(generator, output_signature=(
+        tf.TensorSpec((batch_dim,), tf.int64), tf.TensorSpec((), tf.int32)))
+    indices = indices.apply(tf.data.experimental.assert_cardinality(num_steps))
+    rate = tf.constant(sampling_rate, tf.float64)
+
+    def gather(slots, count):
+        out, real = _gather_slots(tensors, slots, count)
+        batch = tf.nest.pack_sequence_as(data, out)
+        if preprocessor is None:
+            if len(data) == 3:
+                x, y, weight = batch
+            else:
+                (x, y), weight = batch, None
+            return x, y, attach_real_slots(_float_weight(weight), real, rate)
+        processed = preprocessor(*batch)
+        x, y, weight = _unpack_preprocessed(processed)
+        with tf.control_dependencies(_check_rows((x, y, weight), tf.shape(slots)[0])):
+            real = tf.identity(real)
+        weight = _zero_padding_weight(_float_weight(weight), real)
+        return x, y, attach_real_slots(weight, real, rate)
+
+    dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    dataset = dataset.prefetch(tf.data.AUTOTUNE)
     # Handed to PrivacyAccountant(batches=dataset): the rate is stated once.
     dataset.sampling_rate, dataset.dataset_size = sampling_rate, n
     return dataset
+
+
+def _unpack_preprocessed(data):
+    """``(x, y, sample_weight)`` of a preprocessor's output (``x`` alone allowed)."""
+    if isinstance(data, list):
+        data = tuple(data)
+    if not isinstance(data, tuple):
+        return data, None, None
+    if len(data) == 1:
+        return data[0], None, None
+    if len(data) == 2:
+        return data[0], data[1], None
+    if len(data) == 3:
+        return data
+    raise ValueError(
+        "A preprocessor must return x, (x, y) or (x, y, sample_weight); got a "
+        f"tuple of {len(data)}.")
