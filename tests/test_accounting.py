@@ -9,6 +9,8 @@ import textwrap
 
 import dp_accounting
 import keras
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
 import numpy as np
 import tensorflow as tf
 import pytest
@@ -102,6 +104,88 @@ def test_calibrate_noise_multiplier(name, target, q, steps):
     assert accounting.compute_epsilon(0.99 * sigma, q, steps, 1e-5, name) > target
     # default rtol=1e-3: within 0.1% of the smallest noise that meets the target
     assert accounting.compute_epsilon(sigma / 1.001, q, steps, 1e-5, name) > target
+
+
+def test_calibrate_with_extra_events_against_dp_accounting():
+    # The demo's case: a DP vocabulary (1.0, 5e-7) and training share a total
+    # budget (8.0, 1e-6) in one PLD accountant.
+    q, steps, vocab = 1024 / 69801, 200, (1.0, 5e-7)
+    sigma = accounting.calibrate_noise_multiplier(8.0, 1e-6, q, steps, extra_events=[vocab])
+
+    def direct(s):
+        acc = dp_accounting.pld.PLDAccountant()
+        acc.compose(accounting.dp_sgd_event(s, q, steps))
+        acc._pld = acc._pld.compose(pld_lib.from_privacy_parameters(
+            pld_common.DifferentialPrivacyParameters(*vocab)))
+        return acc.get_epsilon(1e-6)
+
+    assert direct(sigma) <= 8.0 < direct(sigma / 1.001)
+    assert direct(sigma) == accounting.compose_epsilon(
+        [accounting.dp_sgd_event(sigma, q, steps), vocab], 1e-6)
+    # The vocabulary's share is not free: more noise than for training alone.
+    assert sigma > accounting.calibrate_noise_multiplier(8.0, 1e-6, q, steps)
+    with pytest.raises(ValueError, match="extra events alone"):
+        accounting.calibrate_noise_multiplier(1.0, 1e-6, q, steps, extra_events=[(1.5, 0.0)])
+    with pytest.raises(ValueError, match="PLD"):
+        accounting.calibrate_noise_multiplier(8.0, 1e-6, q, steps, accountant="rdp",
+                                              extra_events=[vocab])
+
+
+def test_one_step_pld_is_dp_accountings():
+    # The vectorized construction builds the very PLD dp_accounting builds.
+    for sigma, q in [(1.0, 0.125), (0.7, 0.01), (4.0, 1.0), (20.0, 0.01)]:
+        ours = accounting._pld.gaussian_pld(sigma, q)
+        theirs = pld_lib.from_gaussian_mechanism(standard_deviation=sigma, sampling_prob=q)
+        assert ours._symmetric == theirs._symmetric
+        for a, b in [(ours._pmf_remove, theirs._pmf_remove), (ours._pmf_add, theirs._pmf_add)]:
+            assert type(a) is type(b) and a._infinity_mass == b._infinity_mass
+            if hasattr(a, "_probs"):
+                assert a._lower_loss == b._lower_loss and np.array_equal(a._probs, b._probs)
+            else:
+                assert a._loss_probs == b._loss_probs
+
+
+@pytest.mark.parametrize("extra", [None, "gaussian", "pair"])
+def test_epsilon_curve_equals_dp_accounting(extra):
+    sigma, q, delta = 0.9, 0.02, 1e-6
+    steps = [0, 1, 37, 200, 500]
+    extras = {None: [], "gaussian": [dp_accounting.GaussianDpEvent(5.0)],
+              "pair": [(1.0, 5e-7)]}[extra]
+    curve = accounting.epsilon_curve(sigma, q, steps, delta, extra_events=extras)
+    base = pld_lib.from_gaussian_mechanism(standard_deviation=sigma, sampling_prob=q)
+    for k, value in zip(steps, curve):
+        acc = dp_accounting.pld.PLDAccountant()
+        if k in (37, 500):  # the accountant itself
+            acc.compose(accounting.dp_sgd_event(sigma, q, k))
+        elif k:  # its arithmetic, one-step PLD built once
+            acc._pld = acc._pld.compose(base.self_compose(k))
+        if extra == "gaussian":
+            acc.compose(extras[0])
+        elif extra == "pair":
+            acc._pld = acc._pld.compose(pld_lib.from_privacy_parameters(
+                pld_common.DifferentialPrivacyParameters(*extras[0])))
+        assert value == pytest.approx(acc.get_epsilon(delta), rel=1e-6, abs=1e-12), k
+    assert curve == sorted(curve) and curve[-1] > curve[0]
+    if extra is None:
+        assert curve[0] == 0.0
+    # RDP: the accountant's own sums, exactly.
+    if extra != "pair":
+        rdp = accounting.epsilon_curve(sigma, q, steps, delta, extra_events=extras,
+                                       accountant="rdp")
+        assert rdp == [accounting.compose_epsilon(
+            [accounting.dp_sgd_event(sigma, q, k)] + extras, delta, "rdp") for k in steps]
+
+
+def test_epsilon_curve_arguments():
+    with pytest.raises(ValueError, match="list of step counts"):
+        accounting.epsilon_curve(1.0, 0.01, 100, 1e-5)
+    with pytest.raises(ValueError, match="steps"):
+        accounting.epsilon_curve(1.0, 0.01, [10, -1], 1e-5)
+    with pytest.raises(ValueError, match="PLD"):
+        accounting.epsilon_curve(1.0, 0.01, [10], 1e-5, extra_events=[(1.0, 0.0)],
+                                 accountant="rdp")
+    assert accounting.epsilon_curve(0.0, 0.01, [0, 3], 1e-5) == [0.0, math.inf]
+    assert accounting.epsilon_curve(1.0, 0.01, [], 1e-5) == []
 
 
 @pytest.mark.parametrize("name, target, sigma, q, delta", [
@@ -273,9 +357,13 @@ def test_epsilon_in_logs_csv_and_progress_bar(tmp_path, capsys):
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     assert [float(r["epsilon"]) for r in rows] == pytest.approx(expected, rel=1e-12)
-    # Per batch: the cheap RDP value at the current count (an upper bound).
-    assert batch_eps == [accounting.compute_epsilon(1.0, q, n, 1e-3, "rdp") for n in range(1, 17)]
-    assert all(b >= p for b, p in zip(batch_eps[7::8], expected))
+    # Per batch: the same (PLD) accountant, an upper bound on the epsilon of the
+    # updates applied so far, never decreasing, exact at the last batch; never RDP.
+    exact = [direct_epsilon(1.0, q, n, 1e-3, "pld") for n in range(1, 17)]
+    rdp = [accounting.compute_epsilon(1.0, q, n, 1e-3, "rdp") for n in range(1, 17)]
+    assert all(e <= b < r for e, b, r in zip(exact, batch_eps, rdp))
+    assert batch_eps == sorted(batch_eps)
+    assert batch_eps[-1] == expected[-1]
     assert "epsilon: " in capsys.readouterr().out
     report = accountant.report()
     assert report["dp_updates"] == report["steps"] == 16

@@ -4,39 +4,69 @@ import math
 
 import dp_accounting
 
+from keras_dp_lm.accounting._arguments import COARSE_PLD_DISCRETIZATION
 from keras_dp_lm.accounting._arguments import MAX_NOISE
 from keras_dp_lm.accounting._arguments import check_accountant
 from keras_dp_lm.accounting._arguments import check_delta
 from keras_dp_lm.accounting._arguments import check_epsilon
+from keras_dp_lm.accounting._arguments import check_number
 from keras_dp_lm.accounting._arguments import check_rate
 from keras_dp_lm.accounting._arguments import check_steps
-from keras_dp_lm.accounting._arguments import check_number
-from keras_dp_lm.accounting._arguments import COARSE_PLD_DISCRETIZATION
-from keras_dp_lm.accounting.epsilon import cached_epsilon_curve
+from keras_dp_lm.accounting.epsilon import _check_supported
+from keras_dp_lm.accounting.epsilon import compose_epsilon
+from keras_dp_lm.accounting.epsilon import composed_curve
 from keras_dp_lm.accounting.epsilon import compute_epsilon
+from keras_dp_lm.accounting.events import as_event
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import make_accountant
 
+# The fast PLD curve agrees with the accountant to ~1e-8 relative; the search
+# aims this much below the target so that the final check passes at once.
+_SEARCH_MARGIN = 1e-6
+
 
 def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
-                               accountant="pld", rtol=1e-3):
+                               accountant="pld", rtol=1e-3, extra_events=(),
+                               total_delta=None):
     """Smallest noise multiplier (within ``rtol``) with epsilon <= ``target_epsilon``.
 
-    Every epsilon is computed by a fresh ``dp_accounting`` accountant. The
-    search (secant steps in log-log space, starting for PLD from the cheap RDP
-    answer; ``dp_accounting.calibrate_dp_mechanism`` as a fallback) returns
-    ``sigma`` with ``epsilon(sigma) <= target_epsilon`` and
-    ``epsilon(sigma / (1 + rtol)) > target_epsilon``: the returned noise never
-    gives more than the target and is at most ``rtol`` larger than needed.
+    Epsilon is that of ``steps`` DP-SGD updates composed, in one accountant,
+    with ``extra_events`` (other releases about the same data:
+    ``dp_accounting.DpEvent`` objects or ``(epsilon, delta)`` pairs, the latter
+    PLD only). The returned ``sigma`` satisfies
+    ``compose_epsilon([dp_sgd_event(sigma, q, steps), *extra_events], delta)
+    <= target_epsilon``, checked by a fresh accountant, and the same with
+    ``sigma / (1 + rtol)`` exceeds the target: the noise never gives more than
+    the target and is at most ``rtol`` larger than needed.
+
+    The search runs on cheap estimates (for PLD the coarse, then the fine
+    curves of :func:`epsilon_curve`); only the answer is computed by the
+    accountant itself. Typically 0.1-1 s.
+
+    Args:
+        target_epsilon: the budget of the whole composition.
+        delta: its delta.
+        sampling_rate: q.
+        steps: number of updates (>= 1).
+        accountant: ``"pld"`` (default) or ``"rdp"``.
+        rtol: relative tolerance on sigma, in (0, 0.1).
+        extra_events: other releases composed with training.
+        total_delta: optional delta of the composition; when given it is used
+            instead of ``delta`` (for callers that pass the training share of
+            delta as ``delta``).
 
     Example:
         >>> sigma = calibrate_noise_multiplier(2.0, 1e-5, sampling_rate=0.01,
         ...                                    steps=1000, accountant="rdp")
         >>> round(sigma, 3), compute_epsilon(sigma, 0.01, 1000, 1e-5, "rdp") <= 2.0
         (1.022, True)
+        >>> sigma = calibrate_noise_multiplier(3.0, 1e-5, 0.01, 1000, extra_events=[(1.0, 0.0)])
+        >>> compose_epsilon([dp_sgd_event(sigma, 0.01, 1000), (1.0, 0.0)], 1e-5) <= 3.0
+        True
     """
     target_epsilon = check_epsilon(target_epsilon)
-    delta = check_delta(delta)
+    delta = check_delta(delta if total_delta is None else total_delta,
+                        "delta" if total_delta is None else "total_delta")
     sampling_rate = check_rate(sampling_rate)
     steps = check_steps(steps)
     accountant = check_accountant(accountant)
@@ -45,32 +75,43 @@ def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
         raise ValueError(f"`rtol` must be in (0, 0.1), got {rtol!r}.")
     if steps == 0:
         raise ValueError("`steps` must be >= 1: zero updates need no noise.")
+    extras = tuple(as_event(e) for e in extra_events)
+    if extras:
+        for event in extras:
+            _check_supported(make_accountant(accountant), event, accountant)
+        floor = compose_epsilon(extras, delta, accountant)
+        if floor >= target_epsilon:
+            raise ValueError(
+                f"target_epsilon={target_epsilon} is not reachable: the extra events "
+                f"alone have epsilon {floor:.6g} at delta={delta:g}.")
 
     cache = {}
 
-    def eps(sigma):
+    def eps(sigma):  # the accountant's answer
         if sigma not in cache:
-            cache[sigma] = compute_epsilon(sigma, sampling_rate, steps, delta, accountant)
+            cache[sigma] = (compose_epsilon([dp_sgd_event(sigma, sampling_rate, steps),
+                                             *extras], delta, accountant)
+                            if extras else
+                            compute_epsilon(sigma, sampling_rate, steps, delta, accountant))
         return cache[sigma]
 
-    start = 1.0
+    def curve_eps(discretization=None, name=accountant):
+        def value(sigma):
+            kwargs = {} if discretization is None else {"discretization": discretization}
+            return composed_curve(sigma, sampling_rate, delta, name, extras, **kwargs)(steps)
+        return value
+
+    start, slope = 1.0, None
     if accountant == "pld":
-        # The RDP answer is a close upper estimate of the PLD one; the coarse
-        # PLD answer (10x cheaper per evaluation) is closer still.
-        start = calibrate_noise_multiplier(target_epsilon, delta, sampling_rate,
-                                           steps, "rdp", rtol=1e-3)
-        coarse = {}
-
-        def coarse_eps(sigma):
-            if sigma not in coarse:
-                coarse[sigma] = cached_epsilon_curve(
-                    sigma, sampling_rate, delta, "pld", COARSE_PLD_DISCRETIZATION)(steps)
-            return coarse[sigma]
-
-        start = _smallest_noise_within(coarse_eps, target_epsilon, start, rtol) or start
-        # From a start within a few rtol the same search closes the bracket
-        # in about two fine evaluations.
-        sigma = _smallest_noise_within(eps, target_epsilon, start, rtol)
+        # The coarse PLD curve (~10x cheaper, a pessimistic estimate a
+        # fraction of a percent above) brackets the answer and gives the local
+        # slope; the fine curve (within ~1e-8 of the accountant) closes in.
+        points = []
+        start = _smallest_noise_within(curve_eps(COARSE_PLD_DISCRETIZATION), target_epsilon,
+                                       start, rtol, points=points) or start
+        slope = _log_slope(points)
+        sigma = _smallest_noise_within(curve_eps(), target_epsilon * (1 - _SEARCH_MARGIN),
+                                       start, rtol / 2, slope=slope)
     else:
         sigma = _smallest_noise_within(eps, target_epsilon, start, rtol)
     if sigma is None:  # secant search did not converge: dp_accounting's solver
@@ -88,28 +129,43 @@ def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
                 return hi
         sigma = float(dp_accounting.calibrate_dp_mechanism(
             lambda: make_accountant(accountant),
-            lambda s: dp_sgd_event(s, sampling_rate, steps),
+            lambda s: dp_accounting.ComposedDpEvent(
+                [dp_sgd_event(s, sampling_rate, steps), *extras]),
             target_epsilon, delta,
             bracket_interval=dp_accounting.ExplicitBracketInterval(lo, hi),
-            tol=rtol * lo))
+            tol=rtol * lo / 2))
     # Final word to a fresh dp_accounting accountant.
     for _ in range(100):
         if eps(sigma) <= target_epsilon:
             return sigma
-        sigma *= 1 + rtol / 4
+        sigma *= 1 + rtol / 8
     raise RuntimeError("Noise calibration failed to meet the target epsilon.")
 
 
-def _smallest_noise_within(eps, target, start, rtol, max_evals=40):
+def _log_slope(points):
+    """d log(eps) / d log(sigma) from the two probes closest to the answer."""
+    usable = sorted((p for p in points if 0 < p[1] < math.inf), key=lambda p: p[0])
+    best = None
+    for (x1, e1), (x2, e2) in zip(usable, usable[1:]):
+        if x1 != x2 and e1 != e2:
+            slope = (math.log(e2) - math.log(e1)) / (math.log(x2) - math.log(x1))
+            width = math.log(x2 / x1)
+            if slope < 0 and (best is None or width < best[0]):
+                best = (width, slope)
+    return None if best is None else best[1]
+
+
+def _smallest_noise_within(eps, target, start, rtol, max_evals=40, slope=None, points=None):
     """sigma with eps(sigma) <= target and eps(sigma / (1 + rtol)) > target.
 
-    eps is decreasing in sigma. Secant steps in log-log space; once the
-    estimate is within rtol of a probed point, a probe just across the target
-    closes the bracket; geometric bisection when the secant stalls. Returns
-    None without convergence.
+    eps is decreasing in sigma. Secant steps in log-log space (from one point,
+    with ``slope`` = d log eps / d log sigma, default -2); once the estimate is
+    within rtol of a probed point, a probe just across the target closes the
+    bracket; geometric bisection when the secant stalls. Returns None without
+    convergence. ``points``: an optional list that receives the probes.
     """
     lo = hi = None  # lo: eps > target, hi: eps <= target
-    points = []
+    points = [] if points is None else points
 
     def probe(x):
         nonlocal lo, hi
@@ -136,12 +192,13 @@ def _smallest_noise_within(eps, target, start, rtol, max_evals=40):
         usable = [(x, e) for x, e in points[-2:] if 0 < e < math.inf]
         if len(usable) == 2 and usable[0][1] != usable[1][1]:
             (x1, e1), (x2, e2) = usable
-            slope = (math.log(e2) - math.log(e1)) / (math.log(x2) - math.log(x1))
-            if slope < 0:
-                estimate = math.exp(math.log(x2) + (math.log(target) - math.log(e2)) / slope)
+            secant = (math.log(e2) - math.log(e1)) / (math.log(x2) - math.log(x1))
+            if secant < 0:
+                estimate = math.exp(math.log(x2) + (math.log(target) - math.log(e2)) / secant)
         elif len(points) == 1 and 0 < points[0][1] < math.inf:
-            # One point: assume eps ~ sigma^-2 (typical of DP-SGD).
-            estimate = start * math.sqrt(points[0][1] / target)
+            # One point: eps ~ sigma^slope (typically about -2 for DP-SGD).
+            power = slope if slope is not None and slope < 0 else -2.0
+            estimate = start * (target / points[0][1]) ** (1 / power)
         if width is not None and (estimate is None or not lo < estimate < hi
                                   or stalled >= 3):
             estimate = math.sqrt(lo * hi)

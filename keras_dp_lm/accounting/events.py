@@ -22,6 +22,7 @@ from keras_dp_lm.accounting._arguments import check_noise
 from keras_dp_lm.accounting._arguments import check_rate
 from keras_dp_lm.accounting._arguments import check_steps
 from keras_dp_lm.accounting._arguments import check_number
+from keras_dp_lm.accounting import _pld
 
 
 # ---------------------------------------------------------------------------
@@ -42,9 +43,34 @@ class EpsilonDeltaDpEvent(dp_event.DpEvent):
 
 
 class _PLDAccountant(dp_accounting.pld.PLDAccountant):
-    """``PLDAccountant`` that also composes :class:`EpsilonDeltaDpEvent`."""
+    """``PLDAccountant`` that also composes :class:`EpsilonDeltaDpEvent`.
+
+    Gaussian and Poisson-subsampled Gaussian events are composed exactly as
+    ``PLDAccountant`` composes them, with the one-step PLD from
+    :func:`~keras_dp_lm.accounting._pld.gaussian_pld` (the same PLD, bit for
+    bit, built ~10x faster and cached).
+    """
+
+    def __init__(self, neighboring_relation=ADD_REMOVE,
+                 value_discretization_interval=PLD_DISCRETIZATION):
+        super().__init__(neighboring_relation=neighboring_relation,
+                         value_discretization_interval=value_discretization_interval)
 
     def _maybe_compose(self, event, count, do_compose):
+        if do_compose and self.neighboring_relation == ADD_REMOVE:
+            discretization = self._value_discretization_interval
+            if isinstance(event, dp_event.GaussianDpEvent) and event.noise_multiplier != 0:
+                self._pld = self._pld.compose(_pld.gaussian_pld(
+                    event.noise_multiplier / math.sqrt(count), 1.0, discretization))
+                return None
+            if (isinstance(event, dp_event.PoissonSampledDpEvent)
+                    and isinstance(event.event, dp_event.GaussianDpEvent)
+                    and event.sampling_probability != 0
+                    and event.event.noise_multiplier != 0):
+                self._pld = self._pld.compose(_pld.gaussian_pld(
+                    event.event.noise_multiplier, event.sampling_probability,
+                    discretization).self_compose(count))
+                return None
         if isinstance(event, EpsilonDeltaDpEvent):
             if do_compose:
                 pair = _pld_lib.from_privacy_parameters(
@@ -70,8 +96,7 @@ def make_accountant(accountant="pld"):
     accountant = check_accountant(accountant)
     if accountant == "rdp":
         return dp_accounting.rdp.RdpAccountant(neighboring_relation=ADD_REMOVE)
-    return _PLDAccountant(neighboring_relation=ADD_REMOVE,
-                          value_discretization_interval=PLD_DISCRETIZATION)
+    return _PLDAccountant()
 
 
 def dp_sgd_event(noise_multiplier, sampling_rate, steps):

@@ -1,5 +1,6 @@
 """``PrivacyAccountant``: epsilon in ``fit``'s logs and a stop before a target epsilon."""
 
+import bisect
 import copy
 import math
 import warnings
@@ -15,8 +16,8 @@ from keras_dp_lm.accounting._arguments import check_epsilon
 from keras_dp_lm.accounting._arguments import check_noise
 from keras_dp_lm.accounting._arguments import check_positive_int
 from keras_dp_lm.accounting._arguments import check_number
-from keras_dp_lm.accounting.epsilon import cached_epsilon_curve
-from keras_dp_lm.accounting.epsilon import largest_n_within
+from keras_dp_lm.accounting.epsilon import composed_curve
+from keras_dp_lm.accounting.epsilon import largest_within
 from keras_dp_lm.accounting.epsilon import compose_epsilon
 from keras_dp_lm.accounting.epsilon import ledger_epsilon
 from keras_dp_lm.accounting.epsilon import max_steps
@@ -27,6 +28,16 @@ from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.report import privacy_report
 from keras_dp_lm.accounting.report import privacy_statement
 from keras_dp_lm.training.ledger import ledger_of
+
+
+# Per-batch upper bounds: grid points per fit, and the delta at which the fast
+# PLD curve is evaluated (a little below `delta`, a margin far above its FFT
+# round-off against the accountant, ~1e-12 in delta).
+_GRID_POINTS = 16
+
+
+def _bound_delta(delta):
+    return max(delta / 2, delta * (1 - 1e-4) - 1e-11)
 
 
 def _dp_optimizer_of(model):
@@ -90,9 +101,17 @@ class PrivacyAccountant(keras.callbacks.Callback):
             epsilon by group privacy (see :func:`user_level_epsilon`).
         verbose: 1 prints one line when training is stopped for the budget.
 
-    ``logs["epsilon"]`` is the chosen accountant's epsilon of the ledger (with
-    ``"pld"`` a value per new count costs ~0.1-0.4 s, so per batch the RDP
-    bound, a little larger, is logged and the PLD value at the end of each epoch).
+    ``logs["epsilon"]`` always comes from the chosen accountant. At the end of
+    each epoch it is the exact epsilon of the ledger. Per batch, with
+    ``"pld"``, it is an upper bound from the same accountant that never
+    decreases: when training starts, epsilon is computed once at ~20 step
+    counts up to the planned end (the budget limit, or ``epochs`` x ``steps``)
+    with :func:`keras_dp_lm.accounting.epsilon_curve` (PLD composition reused
+    across step counts, a small pessimistic margin for FFT round-off), and
+    each batch logs the value at the next of these counts. The last batch of
+    a run that ends as planned (budget stop, last step of the last epoch, or
+    a callback's ``stop_training``) logs the exact value, equal to the
+    epoch-end one. With ``"rdp"`` every value is exact.
 
     Example:
         >>> import keras, numpy as np, keras_dp_lm as kdp
@@ -167,6 +186,8 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self._shuffle_warned = False
         self._begin_checked = True
         self.stopped_at = None
+        self._exact_cache = {}  # exact epsilon by ledger rows (a few entries)
+        self._reset_batch_epsilon()
 
     # -- resolution of the training parameters -----------------------------
     def _resolve(self):
@@ -193,7 +214,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 f"ceil(dataset_size / steps per epoch) = ceil({self.dataset_size} / "
                 f"{steps}). Pass `batch_size=` to state it; a batch with more real "
                 "examples is refused before its update.", stacklevel=3)
-        rate = batch / self.dataset_size
+        rate = self._batches_rate if self._batches_rate is not None else batch / self.dataset_size
         if rate > 1:
             raise ValueError(
                 f"Logical batch size {batch:g} exceeds dataset_size {self.dataset_size}.")
@@ -229,10 +250,6 @@ class PrivacyAccountant(keras.callbacks.Callback):
             "steps_per_execution": int(spe),
         }
 
-    def _curve(self, accountant):
-        return cached_epsilon_curve(self._config["noise_multiplier"],
-                             self._config["sampling_rate"], self.delta, accountant)
-
     def _rows(self):
         return _ledger(self.model).rows()
 
@@ -252,12 +269,16 @@ class PrivacyAccountant(keras.callbacks.Callback):
             return max_steps(self.target_epsilon, self.delta, sigma, rate, self.accountant)
         done = sum(row[3] for row in rows)
         prior = ledger_events(rows, self.dataset_size)
+        exact = {}
 
         def eps(extra):
-            events = prior + ([dp_sgd_event(sigma, rate, extra)] if extra else [])
-            return compose_epsilon(events, self.delta, self.accountant)
+            if extra not in exact:
+                events = prior + ([dp_sgd_event(sigma, rate, extra)] if extra else [])
+                exact[extra] = compose_epsilon(events, self.delta, self.accountant)
+            return exact[extra]
 
-        return done + largest_n_within(eps, self.target_epsilon)
+        search = composed_curve(sigma, rate, self.delta, self.accountant, prior)
+        return done + largest_within(search, eps, self.target_epsilon)
 
     @property
     def max_steps(self):
@@ -281,7 +302,16 @@ class PrivacyAccountant(keras.callbacks.Callback):
     @property
     def epsilon(self):
         """Training epsilon at ``delta`` of the ledger (chosen accountant)."""
-        return ledger_epsilon(self._rows(), self.dataset_size, self.delta, self.accountant)
+        return self._exact_epsilon([row for row in self._rows() if row[3]])
+
+    def _exact_epsilon(self, rows):
+        key = (tuple(rows), self.delta, self.accountant)
+        if key not in self._exact_cache:
+            if len(self._exact_cache) >= 8:
+                self._exact_cache.pop(next(iter(self._exact_cache)))
+            self._exact_cache[key] = ledger_epsilon(rows, self.dataset_size, self.delta,
+                                                    self.accountant)
+        return self._exact_cache[key]
 
     def _count(self):
         count = self.dp_updates
@@ -320,6 +350,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self._config = self._resolve()
         self._limit = None
         self.stopped_at = None
+        self._reset_batch_epsilon()
         self._register_limits()
         self._check_budget(self._count())
         # Re-checked before the first batch, after every on_train_begin (e.g.
@@ -327,11 +358,18 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self._begin_checked = False
 
     def on_train_batch_begin(self, batch, logs=None):
+        if self._fit_start is None:
+            self._fit_start = self.dp_updates
         if not self._begin_checked:
             self._begin_checked = True
             self._limit = None
             self._register_limits()  # a restored file may have brought other limits
             self._check_budget(self._count())
+            self._reset_batch_epsilon()
+            self._fit_start = self.dp_updates
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         ledger = _ledger(self.model)
@@ -346,10 +384,12 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 f"q={self._config['sampling_rate']:.6g}, sigma="
                 f"{self._config['noise_multiplier']:g}.")
         count = self._count()
-        if logs is not None:
-            logs["epsilon"] = self._batch_epsilon()
         limit = self.max_steps
-        if limit is not None and count + self._config["steps_per_execution"] > limit:
+        budget_end = limit is not None and count + self._config["steps_per_execution"] > limit
+        if logs is not None:
+            logs["epsilon"] = self._batch_epsilon(count, batch, final=(
+                budget_end or self.model.stop_training or self._last_planned_batch(batch)))
+        if budget_end:
             if not self.model.stop_training and self.verbose:
                 print(f"\nPrivacyAccountant: stopping after {count} noised updates; "
                       f"the next would exceed target_epsilon={self.target_epsilon:g} "
@@ -364,8 +404,91 @@ class PrivacyAccountant(keras.callbacks.Callback):
         if logs is not None and self._config is not None:
             logs["epsilon"] = self.epsilon
 
-    def _batch_epsilon(self):
-        return ledger_epsilon(self._rows(), self.dataset_size, self.delta, "rdp")
+    # -- per-batch epsilon ---------------------------------------------------
+    def _reset_batch_epsilon(self):
+        self._grid = None  # (counts, values, non-dominated rows) of the current fit
+        self._logged = None  # the last per-batch value (never decreases)
+        self._fit_start = None  # ledger count before the fit's first batch
+        self._epoch = getattr(self, "_epoch", 0)
+
+    def _last_planned_batch(self, batch):
+        params = self.params or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        return bool(steps and epochs and self._epoch == epochs - 1 and batch == steps - 1)
+
+    def _batch_epsilon(self, count, batch, final=False):
+        rows = [row for row in self._rows() if row[3]]
+        if self.accountant == "rdp" or final or not rows or count == self._fit_start:
+            value = self._exact_epsilon(rows)  # RDP: exact and cheap
+        else:
+            value = self._bound(rows, batch)
+        if self._logged is not None:
+            value = max(value, self._logged)
+        self._logged = value
+        return value
+
+    def _split(self, rows):
+        """(updates of the rows the assumed configuration dominates, the other rows)."""
+        others = tuple(row for row in rows if not self._dominated([row]))
+        return sum(row[3] for row in rows) - sum(row[3] for row in others), others
+
+    def _bound(self, rows, batch):
+        """Upper bound on the PLD epsilon of ``rows``: the dominated rows counted
+        at the assumed (sigma, q), the others composed exactly, looked up on a
+        grid of counts computed once per fit (monotone in the count)."""
+        n, others = self._split(rows)
+        if self._grid is None or self._grid[2] != others:
+            self._grid = ([], [], others)
+            self._extend_grid(rows, n, batch, planned=True)
+        elif n > self._grid[0][-1]:
+            self._extend_grid(rows, n, batch, planned=False)
+        counts, values, _ = self._grid
+        return values[bisect.bisect_left(counts, n)]
+
+    def _extend_grid(self, rows, n, batch, planned):
+        counts, values, others = self._grid
+        sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
+        cap = None
+        end = self._planned_end(rows, n, batch) if planned else None
+        if end is not None:
+            # The run's final count is >= `end`: counts up to end - 1 use grid
+            # values capped by the exact epsilon at `end` (what the last batch
+            # and on_epoch_end will compute; cached), so the logged values
+            # never exceed the final one.
+            last = end - 1
+            predicted = rows[:-1] + [rows[-1][:3] + (rows[-1][3] + end - n,)]
+            cap = self._exact_epsilon(predicted)
+        else:
+            last = max(2 * n, n + 16)
+        span = last - n  # evenly spaced counts, and doublings before the first one
+        points = sorted({n + math.ceil(span * i / _GRID_POINTS) for i in range(_GRID_POINTS + 1)}
+                        | {n + 2 ** j for j in range(64) if 2 ** j < span / _GRID_POINTS})
+        curve = composed_curve(sigma, rate, _bound_delta(self.delta), "pld",
+                               ledger_events(list(others), self.dataset_size))
+        new = curve.values(points)
+        floor = values[-1] if values else 0.0
+        for count, value in zip(points, new):
+            floor = max(floor, value)
+            counts.append(count)
+            values.append(floor if cap is None else min(floor, cap))
+
+    def _planned_end(self, rows, n, batch):
+        """Smallest possible final count (in dominated updates), or None."""
+        ends = []
+        limit = self.max_steps
+        others = sum(row[3] for row in self._grid[2])
+        if limit is not None:
+            ends.append(limit - others - self._config["steps_per_execution"] + 1)
+        params = self.params or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        if steps and epochs:
+            remaining = (epochs - 1 - self._epoch) * steps + (steps - 1 - batch)
+            accumulation = int(self._config["gradient_accumulation_steps"] or 1)
+            ends.append(n + remaining // accumulation)
+        end = min(ends) if ends else None
+        if end is None or end <= n or not self._dominated(rows[-1:]):
+            return None
+        return end
 
     # -- reports ---------------------------------------------------------------
     def report(self):

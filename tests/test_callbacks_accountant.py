@@ -1,0 +1,117 @@
+"""PrivacyAccountant's per-batch epsilon, checked against dp_accounting itself.
+
+Per batch the callback logs a PLD upper bound (the same accountant as the
+epoch-end value, never the looser RDP one): at least the PLD epsilon of the
+updates applied so far, never decreasing, and equal to the epoch-end value at
+the last batch of the run.
+"""
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+import keras_dp_lm as kdp
+from keras_dp_lm import accounting
+from keras_dp_lm.callbacks import PrivacyAccountant
+
+N, B, DELTA = 64, 8, 1e-3
+X = np.random.RandomState(0).randn(N, 4).astype("float32")
+Y = (X[:, 0] > 0).astype("int32")
+_BASES, _PREFIXES = {}, {}
+
+
+def dp_accounting_epsilon(rows, delta=DELTA):
+    """What dp_accounting's PLDAccountant computes for ``rows`` = [(sigma, q, updates)]
+    composed in order (its arithmetic; one-step PLDs and prefixes computed once)."""
+    pld = pld_lib.identity()
+    for i, (sigma, q, updates) in enumerate(rows):
+        key = tuple(rows[:i + 1])
+        if key not in _PREFIXES:
+            if (sigma, q) not in _BASES:
+                _BASES[sigma, q] = pld_lib.from_gaussian_mechanism(
+                    standard_deviation=sigma, sampling_prob=q, value_discretization_interval=1e-4)
+            _PREFIXES[key] = pld.compose(_BASES[sigma, q].self_compose(updates))
+        pld = _PREFIXES[key]
+    return pld.get_epsilon_for_delta(delta)
+
+
+def test_helper_is_pld_accountant():
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(accounting.dp_sgd_event(0.8, B / N, 3)).compose(accounting.dp_sgd_event(1.0, B / N, 5))
+    assert dp_accounting_epsilon([(0.8, B / N, 3), (1.0, B / N, 5)]) == acc.get_epsilon(DELTA)
+
+
+def make_model(noise=1.0, spe=1, accumulation=1):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=kdp.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=noise,
+                                      gradient_accumulation_steps=accumulation, seed=0),
+                  steps_per_execution=spe,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def fit_recording(model, accountant, epochs):
+    """fit; returns the history and (ledger rows, logged epsilon) after every batch."""
+    seen = []
+
+    def record(batch, logs):
+        rows = [(r[0], r[1] or r[2] / N, r[3]) for r in kdp.ledger_of(model).rows() if r[3]]
+        seen.append((rows, logs["epsilon"]))
+
+    history = model.fit(X, Y, batch_size=B, epochs=epochs, verbose=0, callbacks=[
+        accountant, keras.callbacks.LambdaCallback(on_train_batch_end=record)])
+    return history, seen
+
+
+def check_batch_epsilons(history, seen):
+    logged = [eps for _, eps in seen]
+    exact = [dp_accounting_epsilon(rows) for rows, _ in seen]
+    assert all(value >= bound for value, bound in zip(logged, exact)), list(zip(logged, exact))
+    assert logged == sorted(logged)  # never decreases
+    assert logged[-1] == history.history["epsilon"][-1] == exact[-1]
+    return logged, exact
+
+
+@pytest.mark.parametrize("spe, accumulation", [(1, 1), (3, 2)])
+def test_batch_epsilon_is_pld_bound_up_to_the_budget_stop(spe, accumulation):
+    model = make_model(spe=spe, accumulation=accumulation)
+    accountant = PrivacyAccountant(target_epsilon=3.0, delta=DELTA, dataset_size=N,
+                                   batch_size=B, sampling="poisson", verbose=0)
+    history, seen = fit_recording(model, accountant, epochs=20)
+    limit = accountant.max_steps
+    count = accountant.dp_updates
+    assert count <= limit < count + spe
+    logged, exact = check_batch_epsilons(history, seen)
+    assert logged[-1] <= 3.0
+    # The same (PLD) accountant throughout: never the RDP value, which is looser.
+    counts = [sum(r[2] for r in rows) for rows, _ in seen]
+    rdp = accounting.epsilon_curve(1.0, B / N, counts, DELTA, accountant="rdp")
+    assert all(value < r for value, r in zip(logged, rdp) if value > 0)
+
+
+def test_batch_epsilon_composes_a_non_dominated_earlier_fit():
+    # A first fit with less noise than the accountant of the second one
+    # assumes: its ledger row is composed exactly (not dominated).
+    model = make_model(noise=0.8)
+    model.fit(X, Y, batch_size=B, epochs=1, verbose=0)
+    model.compile(optimizer=kdp.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                      noise_multiplier=1.0, seed=0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    accountant = PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=B,
+                                   sampling="poisson")
+    history, seen = fit_recording(model, accountant, epochs=2)
+    assert [row[:2] for row in seen[-1][0]] == [(0.8, B / N), (1.0, B / N)]
+    logged, exact = check_batch_epsilons(history, seen)
+    assert history.history["epsilon"] == [exact[7], exact[15]]
+
+
+def test_rdp_accountant_logs_exact_rdp_per_batch():
+    model = make_model()
+    accountant = PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=B,
+                                   sampling="poisson", accountant="rdp")
+    history, seen = fit_recording(model, accountant, epochs=1)
+    assert [eps for _, eps in seen] == accounting.epsilon_curve(
+        1.0, B / N, list(range(1, 9)), DELTA, accountant="rdp")
+    assert history.history["epsilon"] == [seen[-1][1]]
