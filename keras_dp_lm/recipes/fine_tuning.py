@@ -1,0 +1,280 @@
+"""Hyperparameters for DP fine-tuning from a target epsilon and a compute budget.
+
+DP-SGD does not reward the hyperparameters of a non-private run. The rules
+here follow the DP fine-tuning literature and are fixed in advance, so using
+them spends no privacy (tuning them on the private data would):
+
+* **Large logical batches, few hundred updates** (Li et al. 2022, "Large
+  language models can be strong differentially private learners"; De et al.
+  2022; Sander et al. 2023, "TAN without a burn"). At a fixed epsilon the noise
+  of the averaged gradient is ``sigma * C / B``; growing ``B`` grows ``sigma``
+  much more slowly, so large batches raise the signal-to-noise ratio. Given
+  the compute budget (``epochs`` passes over the data) the recipe makes
+  ``min_steps`` updates, the fewest that Adam fine-tuning needs, with the
+  largest batch that budget pays for (capped at ``max_batch_size``).
+* **A small clipping norm with Adam** (Li et al.: ``C = 0.1``, so every
+  per-example gradient is clipped and the update is an average of directions).
+  Adam normalises the update, so ``C`` sets the noise-to-signal ratio, not the
+  step size.
+* **A learning rate scaled for the batch** (the square-root rule for Adam,
+  Malladi et al. 2022): the non-private rate you would use at
+  ``reference_batch_size`` times ``sqrt(B / reference_batch_size)``, at most
+  ``max_learning_rate_scale`` times it.
+* **Noise calibrated last**, with ``dp_accounting``'s PLD accountant, for the
+  whole budget including other releases about the same data
+  (``extra_events``, e.g. a DP vocabulary).
+
+Example:
+    >>> from keras_dp_lm.recipes import suggest_recipe
+    >>> recipe = suggest_recipe(dataset_size=50_000, target_epsilon=8.0, delta=1e-6,
+    ...                         epochs=2.0, learning_rate=1e-3, micro_batch_size=256)
+    >>> recipe.steps, recipe.batch_size, recipe.gradient_accumulation_steps
+    (100, 1000, 4)
+    >>> recipe.epsilon <= 8.0, recipe.l2_norm_clip
+    (True, 0.1)
+"""
+
+import dataclasses
+import math
+import numbers
+
+from keras_dp_lm.accounting import calibration
+from keras_dp_lm.accounting import epsilon as epsilon_lib
+from keras_dp_lm.accounting.events import dp_sgd_event
+
+__all__ = ["DPRecipe", "suggest_recipe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DPRecipe:
+    """A DP fine-tuning configuration and why it was chosen.
+
+    Attributes:
+        dataset_size: N, the number of privacy units (examples).
+        target_epsilon, delta: the total budget the recipe was made for.
+        batch_size: the expected logical batch size ``q * N``.
+        sampling_rate: the Poisson rate q.
+        steps: noised updates.
+        noise_multiplier: sigma, calibrated for the whole budget.
+        l2_norm_clip: C.
+        learning_rate: for Adam / AdamW.
+        gradient_accumulation_steps: micro-batches per logical batch
+            (``ceil(max_batch_size / micro_batch_size)`` of the padded batch).
+        epsilon: the total epsilon at ``delta`` that the recipe spends (PLD,
+            training composed with ``extra_events``), ``<= target_epsilon``.
+        training_epsilon: the training alone, at ``training_delta``.
+        extra_events: the other releases composed with training.
+        reasons: one line per choice; :meth:`explain` joins them.
+    """
+
+    dataset_size: int
+    target_epsilon: float
+    delta: float
+    batch_size: int
+    sampling_rate: float
+    steps: int
+    noise_multiplier: float
+    l2_norm_clip: float
+    learning_rate: float
+    gradient_accumulation_steps: int
+    epsilon: float
+    training_epsilon: float
+    training_delta: float
+    extra_events: tuple = ()
+    reasons: tuple = ()
+
+    @property
+    def epochs(self):
+        """Expected passes over the data, ``q * steps``."""
+        return self.sampling_rate * self.steps
+
+    def explain(self):
+        """The choices and their reasons, one per line."""
+        head = (f"DP recipe for N={self.dataset_size}, epsilon={self.target_epsilon:g}, "
+                f"delta={self.delta:g}: batch {self.batch_size} (q={self.sampling_rate:.4g}), "
+                f"{self.steps} steps ({self.epochs:.2f} epochs), noise multiplier "
+                f"{self.noise_multiplier:.4f}, clip {self.l2_norm_clip:g}, learning rate "
+                f"{self.learning_rate:.3g}, accumulation {self.gradient_accumulation_steps}; "
+                f"spends epsilon {self.epsilon:.3f}.")
+        return "\n".join((head,) + tuple(f"- {r}" for r in self.reasons))
+
+    def to_dict(self):
+        """A JSON-friendly dict (extra events as strings)."""
+        out = dataclasses.asdict(self)
+        out["extra_events"] = [str(e) for e in self.extra_events]
+        out["reasons"] = list(self.reasons)
+        out["epochs"] = self.epochs
+        return out
+
+    def optimizer(self, name="adam", seed=None, **kwargs):
+        """A DP optimizer built from the recipe (``"adam"`` or ``"adamw"``).
+
+        ``kwargs`` go to the optimizer (e.g. ``weight_decay`` for AdamW); the
+        privacy parameters come from the recipe.
+        """
+        from keras_dp_lm import optimizers
+
+        classes = {"adam": optimizers.DPAdam, "adamw": optimizers.DPAdamW}
+        if name not in classes:
+            raise ValueError(f"The recipe is made for Adam-type optimizers; `name` must be "
+                             f"one of {sorted(classes)}, got {name!r}.")
+        return classes[name](
+            learning_rate=kwargs.pop("learning_rate", self.learning_rate),
+            l2_norm_clip=self.l2_norm_clip, noise_multiplier=self.noise_multiplier,
+            expected_batch_size=self.sampling_rate * self.dataset_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, seed=seed,
+            **kwargs)
+
+    def poisson_batches(self, data, seed=None, **kwargs):
+        """:func:`keras_dp_lm.data.poisson_batches` at the recipe's rate and steps."""
+        from keras_dp_lm import data as data_lib
+
+        cap = kwargs.pop("max_batch_size", None) or self.max_batch_size()
+        return data_lib.poisson_batches(data, self.sampling_rate, cap, seed=seed,
+                                        num_steps=self.steps, **kwargs)
+
+    def max_batch_size(self):
+        """Padded batch cap with overflow probability <= 1e-9 over the run."""
+        from keras_dp_lm.data import suggest_max_batch_size
+
+        return suggest_max_batch_size(self.dataset_size, self.sampling_rate, self.steps)
+
+    def accountant(self, batches=None, **kwargs):
+        """A :class:`~keras_dp_lm.callbacks.PrivacyAccountant` that stops at the recipe's
+        training epsilon and composes the extra events into its report."""
+        from keras_dp_lm.callbacks import PrivacyAccountant
+
+        kwargs.setdefault("target_epsilon", self.training_epsilon * (1 + 1e-9))
+        if batches is None:
+            kwargs.setdefault("dataset_size", self.dataset_size)
+        return PrivacyAccountant(delta=self.training_delta, batches=batches,
+                                 extra_events=list(self.extra_events), **kwargs)
+
+
+def _positive(name, value, integer=False):
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        raise ValueError(f"`{name}` must be a positive {'integer' if integer else 'number'},"
+                         f" got {value!r}.")
+    return int(value) if integer else float(value)
+
+
+def _extra_delta(events):
+    """Sum of the deltas of ``(epsilon, delta)`` pairs (DpEvents have none)."""
+    return sum(float(e[1]) for e in events if isinstance(e, (tuple, list)))
+
+
+def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_steps=100,
+                   max_batch_size=4096, micro_batch_size=None, learning_rate=1e-3,
+                   reference_batch_size=32, max_learning_rate_scale=8.0,
+                   l2_norm_clip=0.1, extra_events=(), batch_size=None, steps=None):
+    """Propose DP fine-tuning hyperparameters; see the module docstring for the rules.
+
+    Args:
+        dataset_size: N, the number of privacy units.
+        target_epsilon: total epsilon (training plus ``extra_events``).
+        delta: total delta; default ``10 ** floor(log10(1 / (10 N)))``.
+        epochs: compute budget, in expected passes over the data.
+        min_steps: the fewest updates to make (fewer when the budget cannot pay
+            for batches of at least 16).
+        max_batch_size: the largest logical batch worth using.
+        micro_batch_size: what fits in memory per forward/backward pass; sets
+            ``gradient_accumulation_steps``. ``None``: no accumulation.
+        learning_rate: the Adam learning rate you would use NON-privately at
+            ``reference_batch_size`` (it is scaled for the DP batch).
+        l2_norm_clip: C (0.1, Li et al.).
+        extra_events: other releases about the same data (``DpEvent`` or
+            ``(epsilon, delta)`` pairs), composed with training.
+        batch_size, steps: fix either or both instead of deriving them from
+            ``epochs``; the other choices (noise, clip, learning rate) still follow
+            the rules.
+
+    Returns:
+        A :class:`DPRecipe`.
+    """
+    n = _positive("dataset_size", dataset_size, integer=True)
+    target_epsilon = _positive("target_epsilon", target_epsilon)
+    epochs = _positive("epochs", epochs)
+    min_steps = _positive("min_steps", min_steps, integer=True)
+    max_batch_size = _positive("max_batch_size", max_batch_size, integer=True)
+    learning_rate = _positive("learning_rate", learning_rate)
+    reference_batch_size = _positive("reference_batch_size", reference_batch_size,
+                                     integer=True)
+    l2_norm_clip = _positive("l2_norm_clip", l2_norm_clip)
+    if delta is None:
+        delta = 10.0 ** math.floor(math.log10(1.0 / (10 * n)))
+    if not 0 < delta < 1:
+        raise ValueError(f"`delta` must be in (0, 1), got {delta!r}.")
+    extra_events = tuple(extra_events)
+    training_delta = delta - _extra_delta(extra_events)
+    if not training_delta > 0:
+        raise ValueError("The extra events' deltas use up all of `delta`.")
+
+    reasons = []
+    examples = epochs * n
+    given = [name for name, value in (("batch_size", batch_size), ("steps", steps))
+             if value is not None]
+    if batch_size is not None:
+        batch = min(_positive("batch_size", batch_size, integer=True), n)
+    else:
+        batch = min(max_batch_size, n, max(16, int(examples // min_steps)))
+        if steps is not None:
+            batch = min(n, max(1, int(round(examples / _positive("steps", steps, True)))))
+    steps = (max(1, int(round(examples / batch))) if steps is None
+             else _positive("steps", steps, integer=True))
+    if given:
+        reasons.append(f"batch {batch} and {steps} updates ({', '.join(given)} given; "
+                       f"{batch * steps / n:.2f} epochs)")
+    elif batch == max_batch_size and examples / batch > min_steps:
+        reasons.append(f"batch {batch}: the largest allowed (max_batch_size); the budget of "
+                       f"{epochs:g} epochs pays for {steps} updates of it")
+    else:
+        reasons.append(f"batch {batch} and {steps} updates: the budget of {epochs:g} epochs "
+                       f"({examples:.0f} example gradients) spent on at least {min_steps} "
+                       "updates with the largest batch (Li et al. 2022: large batches, few "
+                       "hundred steps)")
+    q = batch / n
+
+    def total_epsilon(sigma):
+        return epsilon_lib.compose_epsilon([dp_sgd_event(sigma, q, steps)]
+                                           + list(extra_events), delta)
+
+    if extra_events:
+        # The training share of the budget: training alone at training_delta,
+        # checked composed with the extra events below.
+        sigma = calibration.calibrate_noise_multiplier(
+            target_epsilon, training_delta, q, steps, extra_events=extra_events,
+            total_delta=delta)
+    else:
+        sigma = calibration.calibrate_noise_multiplier(target_epsilon, delta, q, steps)
+    spent = total_epsilon(sigma) if extra_events else epsilon_lib.compute_epsilon(
+        sigma, q, steps, delta)
+    if spent > target_epsilon:  # never hand out a recipe over budget
+        raise RuntimeError(f"calibration gave epsilon {spent} > {target_epsilon}")
+    training_eps = epsilon_lib.compute_epsilon(sigma, q, steps, training_delta)
+    reasons.append(f"noise multiplier {sigma:.4f}: the smallest within epsilon "
+                   f"{target_epsilon:g} at delta {delta:g} (dp_accounting PLD"
+                   + (", composed with the other releases" if extra_events else "") + ")")
+    reasons.append(f"clip {l2_norm_clip:g}: small, so every example is clipped (Li et al. "
+                   "2022); with Adam it sets the noise-to-signal ratio, not the step size")
+    scale = min(max_learning_rate_scale, math.sqrt(batch / reference_batch_size))
+    scale = max(scale, 1.0)
+    lr = learning_rate * scale
+    reasons.append(f"learning rate {lr:.3g}: your non-private {learning_rate:g} at batch "
+                   f"{reference_batch_size} times {scale:.2f} (square-root batch scaling "
+                   f"for Adam, at most {max_learning_rate_scale:g}x)")
+    accumulation = 1
+    if micro_batch_size is not None:
+        micro = _positive("micro_batch_size", micro_batch_size, integer=True)
+        accumulation = max(1, math.ceil(batch / micro))
+        reasons.append(f"{accumulation} micro-batches of at most {micro} per logical batch "
+                       "(gradient accumulation: same privacy, less memory)")
+    reasons.append("chosen by fixed rules from the literature, not by tuning on the "
+                   "private data, so choosing them spends no privacy; a sweep must run on "
+                   "public or already-released data, or be accounted")
+    return DPRecipe(
+        dataset_size=n, target_epsilon=target_epsilon, delta=delta, batch_size=batch,
+        sampling_rate=q, steps=steps, noise_multiplier=sigma, l2_norm_clip=l2_norm_clip,
+        learning_rate=lr, gradient_accumulation_steps=accumulation, epsilon=spent,
+        training_epsilon=training_eps, training_delta=training_delta,
+        extra_events=extra_events, reasons=tuple(reasons))

@@ -1,0 +1,111 @@
+"""The DP fine-tuning recipe: its rules, its budget (checked against dp_accounting
+called directly) and the objects it builds."""
+
+import math
+
+import dp_accounting
+import pytest
+
+from keras_dp_lm.recipes import DPRecipe
+from keras_dp_lm.recipes import suggest_recipe
+
+
+def _pld_epsilon(sigma, q, steps, delta, extra=()):
+    """dp_accounting called directly: the PLD of the subsampled Gaussian, composed
+    with the worst-case PLD of each (epsilon, delta) release."""
+    from dp_accounting.pld import common
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    total = accountant._pld  # noqa: SLF001 - the accountant's own composed PLD
+    for eps, d in extra:
+        total = total.compose(pld.from_privacy_parameters(
+            common.DifferentialPrivacyParameters(eps, d),
+            value_discretization_interval=1e-4))
+    return total.get_epsilon_for_delta(delta)
+
+
+def test_recipe_spends_at_most_the_target_and_not_much_less():
+    recipe = suggest_recipe(20_000, 3.0, delta=1e-6, epochs=4.0)
+    direct = _pld_epsilon(recipe.noise_multiplier, recipe.sampling_rate, recipe.steps, 1e-6)
+    assert direct <= 3.0
+    assert recipe.epsilon == pytest.approx(direct, rel=1e-9)
+    # The noise is the smallest that fits (calibration tolerance 1e-3).
+    assert _pld_epsilon(recipe.noise_multiplier / 1.002, recipe.sampling_rate,
+                        recipe.steps, 1e-6) > 3.0
+
+
+def test_recipe_composes_extra_releases_into_the_budget():
+    vocabulary = (1.0, 5e-7)
+    recipe = suggest_recipe(69_801, 8.0, delta=1e-6, epochs=1.5,
+                            extra_events=[vocabulary])
+    direct = _pld_epsilon(recipe.noise_multiplier, recipe.sampling_rate, recipe.steps,
+                          1e-6, extra=[vocabulary])
+    assert direct <= 8.0
+    assert _pld_epsilon(recipe.noise_multiplier / 1.002, recipe.sampling_rate,
+                        recipe.steps, 1e-6, extra=[vocabulary]) > 8.0
+    assert recipe.training_delta == pytest.approx(5e-7)
+    assert recipe.training_epsilon == pytest.approx(
+        _pld_epsilon(recipe.noise_multiplier, recipe.sampling_rate, recipe.steps, 5e-7),
+        rel=1e-9)
+
+
+def test_rules_large_batch_few_hundred_steps_small_clip_scaled_rate():
+    recipe = suggest_recipe(50_000, 8.0, epochs=2.0, learning_rate=1e-3,
+                            reference_batch_size=64, micro_batch_size=256)
+    assert (recipe.steps, recipe.batch_size) == (100, 1000)
+    assert recipe.sampling_rate == pytest.approx(1000 / 50_000)
+    assert recipe.gradient_accumulation_steps == 4
+    assert recipe.l2_norm_clip == 0.1
+    assert recipe.learning_rate == pytest.approx(1e-3 * math.sqrt(1000 / 64))
+    assert recipe.delta == 1e-6  # 10^floor(log10(1 / (10 N)))
+    assert recipe.epochs == pytest.approx(2.0)
+    text = recipe.explain()
+    assert "Li et al." in text and "spends no privacy" in text
+
+
+def test_batch_is_capped_and_the_budget_buys_more_steps():
+    recipe = suggest_recipe(1_000_000, 8.0, epochs=1.0, max_batch_size=4096,
+                            learning_rate=1e-4, max_learning_rate_scale=4.0)
+    assert recipe.batch_size == 4096 and recipe.steps == 244
+    assert recipe.learning_rate == pytest.approx(4e-4)  # the cap
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(dataset_size=0, target_epsilon=1.0),
+    dict(dataset_size=100, target_epsilon=-1.0),
+    dict(dataset_size=100, target_epsilon=1.0, delta=1.5),
+    dict(dataset_size=100, target_epsilon=1.0, epochs=0),
+    dict(dataset_size=100, target_epsilon=1.0, delta=1e-6, extra_events=[(0.5, 1e-6)]),
+])
+def test_bad_arguments_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        suggest_recipe(**kwargs)
+
+
+def test_recipe_builds_the_optimizer_batches_and_accountant():
+    import numpy as np
+
+    import keras_dp_lm as kdp
+
+    recipe = suggest_recipe(2_000, 4.0, epochs=5.0, micro_batch_size=64,
+                            extra_events=[(0.5, 1e-8)])
+    assert isinstance(recipe, DPRecipe)
+    opt = recipe.optimizer(seed=0)
+    assert isinstance(opt, kdp.DPAdam)
+    assert opt.noise_multiplier == recipe.noise_multiplier
+    assert opt.l2_norm_clip == recipe.l2_norm_clip
+    assert opt.expected_batch_size == pytest.approx(recipe.batch_size)
+    assert opt.dp_accumulation_steps == recipe.gradient_accumulation_steps
+    with pytest.raises(ValueError, match="Adam"):
+        recipe.optimizer("sgd")
+    x = np.zeros((2_000, 3), "float32")
+    batches = recipe.poisson_batches((x, np.zeros(2_000)), seed=0)
+    assert batches.sampling_rate == recipe.sampling_rate
+    assert int(batches.cardinality()) == recipe.steps
+    accountant = recipe.accountant(batches=batches, verbose=0)
+    assert accountant.target_epsilon >= recipe.training_epsilon
+    assert accountant.delta == recipe.training_delta
+    assert recipe.to_dict()["steps"] == recipe.steps
