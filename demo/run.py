@@ -57,12 +57,12 @@ SENTENCEPIECE_RESERVED = ["<pad>", "<unk>", "<s>", "</s>"] + [str(d) for d in ra
 CANARY_FORMAT = "my ssn is {digits}"
 REQUIRED_REPORT_KEYS = (
     "config", "corpora", "vocabulary", "privacy", "training", "perplexity", "exposure",
-    "samples", "runtime_seconds", "files")
+    "samples", "recipe", "efficiency", "runtime_seconds", "files")
 
 TINY_OVERRIDES = dict(
     model_size="micro", sequence_length=32, vocab_size=256, vocab_epsilon=4.0,
     max_words_per_example=4, target_epsilon=8.0, pretrain_steps=20, steps=12,
-    batch_size=16, heldout_records=48, max_private_records=8000, max_public_records=1500, canary_repetitions=[1, 20],
+    batch_size=16, pretrain_batch_size=16, heldout_records=48, max_private_records=8000, max_public_records=1500, canary_repetitions=[1, 20],
     canary_digits=4, exposure_samples=60, num_samples=2, sample_length=12,
     max_record_chars=100)
 
@@ -94,18 +94,27 @@ def build_parser():
                    help="private/public texts are cut into records of at most this "
                         "many characters (one record = one privacy unit)")
     p.add_argument("--pretrain-steps", type=int, default=300)
-    p.add_argument("--steps", type=int, default=200,
-                   help="DP fine-tuning steps (the baseline runs as many)")
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="logical (expected) batch size")
-    p.add_argument("--learning-rate", type=float, default=3e-3, help="DP fine-tuning")
-    p.add_argument("--baseline-learning-rate", type=float, default=1e-3)
+    p.add_argument("--pretrain-batch-size", type=int, default=64)
+    p.add_argument("--epochs", type=float, default=1.2,
+                   help="compute budget of the fine-tuning, in passes over the private "
+                        "data; the recipe (keras_dp_lm.recipes.suggest_recipe) turns it "
+                        "into a logical batch and a number of steps")
+    p.add_argument("--steps", type=int, default=None,
+                   help="override the recipe's DP fine-tuning steps (the baseline runs "
+                        "as many)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="override the recipe's logical (expected) batch size")
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="the Adam rate you would use non-privately at batch "
+                        "--pretrain-batch-size; the recipe scales it for its batch")
+    p.add_argument("--baseline-learning-rate", type=float, default=None,
+                   help="non-private baseline (default: the recipe's rate)")
     p.add_argument("--pretrain-learning-rate", type=float, default=3e-3)
-    p.add_argument("--l2-norm-clip", type=float, default=1.0)
+    p.add_argument("--l2-norm-clip", type=float, default=0.1)
     p.add_argument("--sampling", default="poisson", choices=["poisson", "shuffle"],
-                   help="poisson: batches as the accountant assumes (padded to a fixed "
-                        "size); shuffle: fixed-size shuffled batches (faster, accounted "
-                        "as if Poisson)")
+                   help="poisson: batches as the accountant assumes (drawn indices, "
+                        "tokenized when drawn, padded to a few bucket sizes); shuffle: "
+                        "fixed-size shuffled batches (accounted as if Poisson)")
     p.add_argument("--heldout-records", type=int, default=400)
     p.add_argument("--max-private-records", type=int, default=None)
     p.add_argument("--max-public-records", type=int, default=None)
@@ -178,9 +187,9 @@ def load_data(args):
         records = records[: args.max_private_records + args.heldout_records]
     heldout = records[: args.heldout_records]
     private_train = records[args.heldout_records:]
-    if len(private_train) < 2 * args.batch_size:
+    if len(private_train) < 2 * (args.batch_size or 16):
         raise ValueError(f"only {len(private_train)} private training records; need "
-                         f"at least {2 * args.batch_size}")
+                         f"at least {2 * (args.batch_size or 16)}")
 
     public_records, public_names = [], []
     if "milton" in args.public_corpus:
@@ -292,30 +301,22 @@ def perplexity(lm, texts, batch_size=64):
     return float(math.exp(-ll.sum() / max(counts.sum(), 1)))
 
 
-def calibrate_training_noise(args, sampling_rate, vocab_epsilon, vocab_delta):
-    """Smallest noise multiplier whose training, composed with the vocabulary's
-    (epsilon, delta) in one PLD accountant, stays within the total target."""
-    from keras_dp_lm import accounting
+def padded_slot_overhead(n, sampling_rate, max_batch_size, padding="bucket"):
+    """Expected padded slots per sampled example, ``E[padded size] / (q N)``.
 
-    def total(sigma):
-        return accounting.compose_epsilon(
-            [accounting.dp_sgd_event(sigma, sampling_rate, args.steps),
-             (vocab_epsilon, vocab_delta)], args.delta)
+    Exact for Binomial(N, q) batch sizes and the batcher's buckets; it depends
+    only on N and q, so it reveals nothing about the data.
+    """
+    from scipy import stats
 
-    lo, hi = 0.3, 1.0
-    while total(hi) > args.target_epsilon:
-        lo, hi = hi, hi * 2
-        if hi > 1e4:
-            raise ValueError("target epsilon unreachable")
-    while total(lo) <= args.target_epsilon and lo > 0.05:
-        hi, lo = lo, lo / 2
-    for _ in range(14):  # log-space bisection to ~0.1 %
-        mid = math.sqrt(lo * hi)
-        if total(mid) <= args.target_epsilon:
-            hi = mid
-        else:
-            lo = mid
-    return hi, total(hi)
+    from keras_dp_lm import data as sampling
+
+    buckets = (sampling.padding_buckets(n, sampling_rate, max_batch_size)
+               if padding == "bucket" else [max_batch_size])
+    counts = np.arange(0, max_batch_size + 1)
+    probs = stats.binom.pmf(counts, n, sampling_rate)
+    sizes = np.asarray(buckets)[np.searchsorted(buckets, counts)]
+    return float((probs * sizes).sum() / probs.sum() / (n * sampling_rate))
 
 
 # --------------------------------------------------------------------------------------
@@ -327,7 +328,7 @@ def run(args):
     import keras
 
     import keras_dp_lm as kdp
-    from keras_dp_lm import accounting, samplers
+    from keras_dp_lm import accounting, recipes, samplers
     from keras_dp_lm import evaluation as ev
 
     t_start = time.time()
@@ -364,7 +365,7 @@ def run(args):
          f"({pretrained.backbone.count_params():,} parameters) on the public corpus, "
          f"{args.pretrain_steps} steps")
     pre_log = StepLog()
-    pretrained.fit(_string_batches(data["public"], args.batch_size, args.seed),
+    pretrained.fit(_string_batches(data["public"], args.pretrain_batch_size, args.seed),
                    steps_per_epoch=args.pretrain_steps, epochs=1, callbacks=[pre_log],
                    verbose=args.verbose)
     weights = pretrained.get_weights()
@@ -372,61 +373,57 @@ def run(args):
 
     # 4. DP fine-tuning ---------------------------------------------------------------
     t = time.time()
-    sampling_rate = args.batch_size / n_private
-    sigma, planned_total = calibrate_training_noise(args, sampling_rate, vocab_epsilon,
-                                                    vocab_delta)
-    train_delta = args.delta - vocab_delta
-    train_eps_planned = accounting.compute_epsilon(sigma, sampling_rate, args.steps,
-                                                   train_delta)
-    _log(f"DP fine-tuning: noise_multiplier={sigma:.4f}, q={sampling_rate:.5f}, "
-         f"{args.steps} steps; planned epsilon: training {train_eps_planned:.3f}, "
-         f"total with vocabulary {planned_total:.3f} (target {args.target_epsilon})")
+    recipe = recipes.suggest_recipe(
+        n_private, args.target_epsilon, delta=args.delta, epochs=args.epochs,
+        learning_rate=args.learning_rate, reference_batch_size=args.pretrain_batch_size,
+        l2_norm_clip=args.l2_norm_clip, extra_events=[(vocab_epsilon, vocab_delta)],
+        batch_size=args.batch_size, steps=args.steps)
+    timings["dp_calibration"] = time.time() - t
+    sigma, sampling_rate, steps = (recipe.noise_multiplier, recipe.sampling_rate,
+                                   recipe.steps)
+    train_delta = recipe.training_delta
+    _log(recipe.explain().replace("\n", "\n[demo]   "))
     private_lm = build_model(args, proto, args.seed)
     private_lm.set_weights(weights)
-    optimizer_kwargs = dict(learning_rate=args.learning_rate, l2_norm_clip=args.l2_norm_clip,
-                            noise_multiplier=sigma, seed=args.noise_seed)
-    accountant_kwargs = dict(
-        target_epsilon=train_eps_planned * (1 + 1e-6), delta=train_delta,
-        dataset_size=n_private, batch_size=args.batch_size,
-        extra_events=[(vocab_epsilon, vocab_delta)], verbose=1)
+    accountant_kwargs = dict(verbose=1)
     dp_log = StepLog()
+    overhead = None
+    preprocessor = None
+    t = time.time()
     if args.sampling == "poisson":
-        from keras_dp_lm import data as sampling
-
-        x, y, sw = keras.utils.unpack_x_y_sample_weight(
-            private_lm.preprocessor(data["private"]))
-        arrays = ({k: np.asarray(v) for k, v in x.items()}, np.asarray(y),
-                  np.asarray(sw, dtype="float32"))
-        cap = sampling.suggest_max_batch_size(n_private, sampling_rate, args.steps)
-        dataset = sampling.poisson_batches(arrays, sampling_rate, max_batch_size=cap,
-                                           seed=args.noise_seed, num_steps=args.steps)
-        optimizer_kwargs["expected_batch_size"] = sampling_rate * n_private
-        accountant_kwargs.pop("batch_size")
-        accountant_kwargs.update(batches=dataset, dataset_size=None)
+        cap = recipe.max_batch_size()
         preprocessor = private_lm.preprocessor
-        private_lm.preprocessor = None  # batches are already token ids
-        _log(f"Poisson batches padded to {cap} (expected {args.batch_size})")
+        # Indices are drawn in Python; the drawn records are gathered and tokenized
+        # inside tf.data, so nothing is tokenized up front.
+        dataset = recipe.poisson_batches(data["private"], seed=args.noise_seed,
+                                         preprocessor=preprocessor)
+        private_lm.preprocessor = None  # the batches are already token ids
+        overhead = padded_slot_overhead(n_private, sampling_rate, cap)
+        accountant_kwargs["batches"] = dataset
+        _log(f"Poisson batches of expected size {recipe.batch_size}, padded to buckets "
+             f"up to {cap}: expected padded slots {overhead:.3f}x the sampled examples")
     else:
-        dataset = _string_batches(data["private"], args.batch_size, args.seed)
-        accountant_kwargs["sampling"] = "shuffle"
-        preprocessor = None
-    private_lm.compile(optimizer=kdp.DPAdam(**optimizer_kwargs), weighted_metrics=[])
-    privacy_accountant = kdp.PrivacyAccountant(**accountant_kwargs)
-    private_lm.fit(dataset, steps_per_epoch=args.steps, epochs=1,
+        dataset = _string_batches(data["private"], recipe.batch_size, args.seed)
+        accountant_kwargs.update(sampling="shuffle", batch_size=recipe.batch_size)
+    private_lm.compile(optimizer=recipe.optimizer(seed=args.noise_seed),
+                       weighted_metrics=[])
+    privacy_accountant = recipe.accountant(**accountant_kwargs)
+    private_lm.fit(dataset, steps_per_epoch=steps, epochs=1,
                    callbacks=[privacy_accountant, dp_log], verbose=args.verbose)
     if preprocessor is not None:
         private_lm.preprocessor = preprocessor  # the logged loss is over real slots only
+    timings["dp_training"] = time.time() - t
+    t = time.time()
     privacy = privacy_accountant.report()
-    curve_steps = sorted({max(1, round(args.steps * i / 12)) for i in range(13)})
+    curve_steps = sorted({max(1, round(steps * i / 12)) for i in range(13)})
     epsilon_curve = {
         "steps": curve_steps,
-        "training": [accounting.compute_epsilon(sigma, sampling_rate, k, train_delta)
-                     for k in curve_steps],
-        "total": [accounting.compose_epsilon(
-            [accounting.dp_sgd_event(sigma, sampling_rate, k),
-             (vocab_epsilon, vocab_delta)], args.delta) for k in curve_steps],
+        "training": accounting.epsilon_curve(sigma, sampling_rate, curve_steps,
+                                             train_delta),
+        "total": accounting.epsilon_curve(sigma, sampling_rate, curve_steps, args.delta,
+                                          extra_events=[(vocab_epsilon, vocab_delta)]),
     }
-    timings["dp_training"] = time.time() - t
+    timings["dp_accounting_report"] = time.time() - t
     _log(f"DP training done: {privacy['dp_updates']} noised updates, training epsilon "
          f"{privacy['epsilon']:.3f}, total (vocabulary + training) "
          f"{privacy['total_epsilon']:.3f} at delta={privacy['total_delta']:g}")
@@ -435,12 +432,13 @@ def run(args):
     t = time.time()
     baseline = build_model(args, proto, args.seed)
     baseline.set_weights(weights)
-    baseline.compile(optimizer=keras.optimizers.Adam(args.baseline_learning_rate),
-                     weighted_metrics=[])
-    _log(f"non-private baseline: {args.steps} steps, same batch size")
+    baseline_lr = args.baseline_learning_rate or recipe.learning_rate
+    baseline.compile(optimizer=keras.optimizers.Adam(baseline_lr), weighted_metrics=[])
+    _log(f"non-private baseline: {steps} steps of batch {recipe.batch_size}, Adam "
+         f"{baseline_lr:.3g}")
     base_log = StepLog()
-    baseline.fit(_string_batches(data["private"], args.batch_size, args.seed + 3),
-                 steps_per_epoch=args.steps, epochs=1, callbacks=[base_log],
+    baseline.fit(_string_batches(data["private"], recipe.batch_size, args.seed + 3),
+                 steps_per_epoch=steps, epochs=1, callbacks=[base_log],
                  verbose=args.verbose)
     timings["baseline_training"] = time.time() - t
 
@@ -533,7 +531,14 @@ def run(args):
             "l2_norm_clip": args.l2_norm_clip,
             "accountant": privacy.get("total_accountant"),
             "epsilon_curve_pld": epsilon_curve,
-            "epsilon_by_step_rdp": dp_log.epsilon,
+            "epsilon_by_step": dp_log.epsilon,
+        },
+        "recipe": recipe.to_dict(),
+        "efficiency": {
+            "padded_slot_overhead": overhead,
+            "dp_vs_non_private_training_time": round(
+                timings["dp_training"] / max(timings["baseline_training"], 1e-9), 3),
+            "dp_vs_non_private_perplexity": round(ppl["dp"] / ppl["non_private"], 3),
         },
         "training": {
             "pretrain_loss": pre_log.loss, "dp_loss": dp_log.loss,
@@ -594,15 +599,15 @@ def make_plots(report, out):
     files = []
     pr = report["privacy"]
     curve = pr["epsilon_curve_pld"]
-    rdp = pr["epsilon_by_step_rdp"]
+    per_batch = pr["epsilon_by_step"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(curve["steps"], curve["total"], "o-", color="C1",
             label=f"total: vocabulary + training (PLD, delta={pr['total_delta']:g})")
     ax.plot(curve["steps"], curve["training"], "o-", color="C0",
             label=f"training only (PLD, delta={pr['training_delta']:g})")
-    if rdp:
-        ax.plot(np.arange(1, len(rdp) + 1), rdp, color="C0", lw=0.8, alpha=0.5,
-                label="training, RDP bound (progress bar)")
+    if per_batch:
+        ax.plot(np.arange(1, len(per_batch) + 1), per_batch, color="C0", lw=0.8,
+                alpha=0.5, label="training, as logged per batch (progress bar)")
     ax.axhline(pr["vocabulary_epsilon"], color="C2", ls="--", label="vocabulary only")
     ax.axhline(pr["target_epsilon"], color="C3", ls=":", label="target (total)")
     ax.set_xlabel("DP update")
@@ -681,6 +686,17 @@ def markdown_report(r):
     for name, label in [("public_only", "public pre-training only"),
                         ("dp", "+ DP fine-tuning"), ("non_private", "+ non-private fine-tuning")]:
         lines.append(f"| {label} | {r['perplexity'][name]:.2f} |")
+    eff, rec = r["efficiency"], r["recipe"]
+    lines += ["", f"DP / non-private: perplexity {eff['dp_vs_non_private_perplexity']:.2f}x, "
+              f"training time {eff['dp_vs_non_private_training_time']:.2f}x (same batch and "
+              "steps, one run)" + (f"; padded slots {eff['padded_slot_overhead']:.3f}x the "
+                                   "sampled examples (expected)"
+                                   if eff["padded_slot_overhead"] else "") + ".",
+              "", "## Recipe", "",
+              f"`keras_dp_lm.recipes.suggest_recipe` for {rec['dataset_size']} records, "
+              f"epsilon {rec['target_epsilon']:g}, a budget of "
+              f"{r['config']['epochs']:g} epochs:", ""]
+    lines += [f"* {reason}" for reason in rec["reasons"]]
     e = r["exposure"]
     lines += ["", "## Canary exposure (bits)", "",
               f"Method: {e['method']}; maximum {e['max_exposure']:.1f} bits; a random "
@@ -716,8 +732,9 @@ def markdown_report(r):
         for text in s["texts"]:
             lines.append(f"* {text!r}")
         lines.append("")
-    lines += ["## Runtime (seconds)", "",
-              ", ".join(f"{k} {v}" for k, v in r["runtime_seconds"].items()), ""]
+    lines += ["## Runtime (seconds)", "", "| phase | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in r["runtime_seconds"].items()]
+    lines.append("")
     for f in r.get("files", []):
         if f.endswith(".png"):
             lines.append(f"![{f}]({f})")

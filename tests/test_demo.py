@@ -51,7 +51,16 @@ def test_tiny_demo_end_to_end(tmp_path):
     for f in ("report.md", "epsilon_vs_step.png", "loss_curves.png", "exposure.png",
               "dp_sentencepiece.model"):
         assert (out / f).stat().st_size > 0, f
-    assert "Total: epsilon" in (out / "report.md").read_text()
+    markdown = (out / "report.md").read_text()
+    assert "Total: epsilon" in markdown and "## Recipe" in markdown
+    recipe = on_disk["recipe"]
+    assert (recipe["steps"], recipe["batch_size"]) == (
+        demo.TINY_OVERRIDES["steps"], demo.TINY_OVERRIDES["batch_size"])
+    assert recipe["noise_multiplier"] == pytest.approx(privacy["noise_multiplier"])
+    assert recipe["epsilon"] == pytest.approx(privacy["total_epsilon"], rel=1e-6)
+    assert 1.0 <= on_disk["efficiency"]["padded_slot_overhead"] <= 1.6
+    # The progress bar's epsilon never drops below what the updates spent.
+    assert privacy["epsilon_by_step"][-1] >= privacy["training_epsilon"] * (1 - 1e-9)
 
 
 # --- the corpora the demo uses (keras_dp_lm.corpora) ----------------------------------
