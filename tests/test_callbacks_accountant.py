@@ -115,3 +115,30 @@ def test_rdp_accountant_logs_exact_rdp_per_batch():
     assert [eps for _, eps in seen] == accounting.epsilon_curve(
         1.0, B / N, list(range(1, 9)), DELTA, accountant="rdp")
     assert history.history["epsilon"] == [seen[-1][1]]
+
+
+def test_batch_epsilon_bounds_a_run_whose_first_batch_is_small():
+    """Review finding: the grid was capped by a prediction made from the first batch's
+    real size (2), so later batches of 8 logged ~20x too little."""
+    import tensorflow as tf
+
+    sizes = [2] + [B] * 7
+    starts = np.cumsum([0] + sizes[:-1])
+    ds = tf.data.Dataset.from_generator(
+        lambda: ((X[s:s + k], Y[s:s + k]) for s, k in zip(starts, sizes)),
+        output_signature=(tf.TensorSpec((None, 4), tf.float32),
+                          tf.TensorSpec((None,), tf.int32)))
+    ds = ds.apply(tf.data.experimental.assert_cardinality(len(sizes)))
+    model = make_model()
+    accountant = PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=B,
+                                   sampling="shuffle", verbose=0)
+    seen = []
+
+    def record(batch, logs):
+        rows = [(r[0], r[1] or r[2] / N, r[3]) for r in kdp.ledger_of(model).rows() if r[3]]
+        seen.append((rows, logs["epsilon"]))
+
+    with pytest.warns(UserWarning):  # fixed-size batches accounted as if Poisson
+        history = model.fit(ds, epochs=2, verbose=0, callbacks=[
+            accountant, keras.callbacks.LambdaCallback(on_train_batch_end=record)])
+    check_batch_epsilons(history, seen)

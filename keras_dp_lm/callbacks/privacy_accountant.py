@@ -456,8 +456,11 @@ class PrivacyAccountant(keras.callbacks.Callback):
             # and on_epoch_end will compute; cached), so the logged values
             # never exceed the final one.
             last = end - 1
-            predicted = rows[:-1] + [rows[-1][:3] + (rows[-1][3] + end - n,)]
-            cap = self._exact_epsilon(predicted)
+            # The remaining updates at the most the step lets through (the
+            # assumed sigma, rate and batch), not at the last row's values: a
+            # later batch may have more real examples than the ones so far.
+            assumed = (sigma, rate, float(self._config["batch_size"]), end - n)
+            cap = self._exact_epsilon(list(rows) + [assumed])
         else:
             last = max(2 * n, n + 16)
         span = last - n  # evenly spaced counts, and doublings before the first one
