@@ -16,7 +16,8 @@ from keras_dp_lm.callbacks import PrivacyAccountant
 
 
 def _numbers(text):
-    """Record "r17" -> 17 (in graph mode)."""
+    """Record "r17" -> 17 (in graph mode); a padding slot's "" -> -1."""
+    text = tf.where(text == "", "r-1", text)
     return tf.strings.to_number(tf.strings.substr(text, 1, 9), tf.int32)
 
 
@@ -64,7 +65,7 @@ def test_inclusion_rate_and_batch_sizes_through_the_preprocessed_dataset():
         size = int(real.sum())
         assert float(rate) == q and weight is None
         assert np.all(real[:size] == 1) and np.all(real[size:] == 0)
-        assert len(set(x[:size])) == size and np.all(x[size:] == 0)  # padding: record 0
+        assert len(set(x[:size])) == size and np.all(x[size:] == -1)  # padding: ""
         counts[x[:size]] += 1
         sizes.append(size)
     # Each example's count ~ Binomial(steps, q) (5.5 sd over 200 examples), and the
@@ -83,7 +84,7 @@ def test_only_drawn_records_are_preprocessed():
     seen = []  # one entry per preprocessor call: the records it was given
 
     def record_batch(text):
-        seen.append([int(t[1:]) for t in text.numpy().astype(str)])
+        seen.append([int(t[1:]) if t else -1 for t in text.numpy().astype(str)])
         return text
 
     def counting(text):
@@ -102,10 +103,10 @@ def test_only_drawn_records_are_preprocessed():
     for (x, real), (want, _, want_marked) in zip(batches, draws):
         size = int(real.sum())
         drawn = want[:int(sampling.split_real_slots(want_marked)[0].sum())].tolist()
-        # exactly the drawn records, then padding slots that repeat record 0
-        assert x[:size].tolist() == drawn and not x[size:].any()
+        # exactly the drawn records, then padding slots holding "" (never a record)
+        assert x[:size].tolist() == drawn and np.all(x[size:] == -1)
         assert len(x) <= max(1.15 * size, sampling.padding_buckets(n, q, cap)[0])
-        expected.append(drawn + [0] * (len(x) - size))
+        expected.append(drawn + [-1] * (len(x) - size))
     assert sorted(seen) == sorted(expected)
     assert sum(map(len, seen)) < 0.01 * n * steps
 

@@ -454,3 +454,41 @@ def test_a_nan_example_in_the_first_batch_does_not_trip_the_independence_probe()
     model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
     assert kdp.ledger_of(model).updates == 2
     assert all(np.all(np.isfinite(w)) for w in _weights(model))
+
+
+def test_poisson_preprocessor_padding_to_the_longest_record_is_refused():
+    """Review finding: a preprocessor padding to the longest drawn record let one record
+    (then record 0, repeated in padding slots) change every example's normalisation."""
+    from keras_dp_lm import data as sampling
+
+    records = [("x " * (1 + i % 7)).strip() for i in range(200)]
+
+    def pad_to_longest(text):
+        words = tf.strings.split(text).to_tensor("")
+        return tf.cast(tf.strings.length(words), tf.float32), tf.zeros(tf.shape(text)[:1])
+
+    with pytest.raises(ValueError, match="fixed length"):
+        sampling.poisson_batches(records, 0.1, 60, seed=0, num_steps=2,
+                                 preprocessor=pad_to_longest)
+
+
+def test_loss_normalised_by_a_dynamic_padded_length_is_refused():
+    """sum_over_batch_size over [B, T] with T known only per batch divides each
+    example's loss by the longest example's length: refused before any update."""
+    import keras
+
+    import keras_dp_lm as kdp
+
+    inputs = keras.Input((None,), dtype="int32")
+    outputs = keras.layers.Dense(3)(keras.layers.Embedding(10, 4)(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=kdp.DPSGD(learning_rate=0.1, l2_norm_clip=1.0,
+                                      noise_multiplier=0.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ragged = tf.ragged.constant([[1, 2], [3, 4, 5, 6], [7]] * 4)
+    ds = tf.data.Dataset.from_tensor_slices((ragged, ragged % 3)).map(
+        lambda x, y: (x, y)).padded_batch(4)
+    before = [w.numpy().copy() for w in model.weights]
+    with pytest.raises(ValueError, match="padded length"):
+        model.fit(ds, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(before, model.weights))

@@ -298,8 +298,8 @@ def _padding_like(leaf, size):
     shape = (size,) + leaf.shape[1:]
     if leaf.dtype.kind in "biufc":
         return np.zeros(shape, leaf.dtype)
-    # strings / objects: repeat the first example (its weight is 0 anyway)
-    return np.broadcast_to(leaf[:1], shape).copy()
+    # strings / objects: the empty string, a public constant (never a record)
+    return np.full(shape, b"" if leaf.dtype.kind == "S" else "", dtype=leaf.dtype)
 
 
 def _check_sampling(sampling_rate, max_batch_size, overflow, num_steps):
@@ -402,17 +402,19 @@ def _is_numeric(dtype):
 
 
 def _gather_slots(tensors, slots, count):
-    """The batch ``tensors[slots]`` with real-slot mask; numeric padding slots are 0.
+    """The batch ``tensors[slots]`` with real-slot mask.
 
-    String padding slots repeat example 0 (their weight is 0 and the DP step
-    zeroes their loss), so a preprocessor always sees valid records.
+    Padding slots hold public constants, never a record: 0 for numbers and the
+    empty string for text. (Repeating a record would process it in every
+    padded step, not with probability q: its content could then change the
+    batch's shape or make the step fail.)
     """
     real = tf.range(tf.shape(slots)[0], dtype=tf.int32) < count
     real = tf.ensure_shape(real, slots.shape)
     out = []
     for tensor in tensors:
         batch = tf.gather(tensor, slots)
-        if _is_numeric(batch.dtype):
+        if _is_numeric(batch.dtype) or batch.dtype == tf.string:
             batch = tf.where(_rows(real, batch), batch, tf.zeros_like(batch))
         out.append(batch)
     return out, tf.cast(real, tf.float32)
@@ -440,6 +442,19 @@ def _zero_padding_weight(weight, real):
     if weight is None:
         return None
     return weight * _rows(tf.cast(real, weight.dtype), weight)
+
+
+def _check_static_rows(structure):
+    """Refuse preprocessor outputs whose rows have a data-dependent shape."""
+    for leaf in tf.nest.flatten(structure):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and shape.rank and not shape[1:].is_fully_defined():
+            raise ValueError(
+                "poisson_batches: the preprocessor returned a tensor of shape "
+                f"{tuple(shape)}: each row's shape must not depend on the batch (a "
+                "length padded to the longest drawn record would let one record change "
+                "how every other example is normalised). Pad to a fixed length, e.g. "
+                "a KerasHub preprocessor's `sequence_length`.")
 
 
 def _check_rows(structure, size):
@@ -504,7 +519,8 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
             input row), e.g. a KerasHub ``CausalLMPreprocessor``. The real-slot
             mask is attached after it, and its ``sample_weight`` (e.g. the
             ``[B, T]`` padding mask) is zeroed on padding slots. Padding slots
-            it sees repeat example 0 (numeric inputs: zeros). A KerasHub task
+            it sees hold the empty string (numeric inputs: zeros). Its outputs
+            must have a fixed shape per row (pad to a fixed length). A KerasHub task
             fitted on these batches must have ``task.preprocessor = None``
             (the batches are already preprocessed).
 
@@ -524,7 +540,8 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
         >>> import tensorflow as tf
         >>> records = [f"record {i}" for i in range(1000)]
         >>> def preprocess(text):
-        ...     number = tf.strings.to_number(tf.strings.split(text).to_tensor()[:, 1], tf.int32)
+        ...     words = tf.strings.split(text).to_tensor("-1", shape=[None, 2])
+        ...     number = tf.strings.to_number(words[:, 1], tf.int32)  # padding: ""
         ...     return {"number": number}, number, tf.ones_like(number, tf.float32)
         >>> ds = poisson_batches(records, 0.01, 40, seed=0, num_steps=3,
         ...                      preprocessor=preprocess)
@@ -575,6 +592,7 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
             return x, y, attach_real_slots(_float_weight(weight), real, rate)
         processed = preprocessor(*batch)
         x, y, weight = _unpack_preprocessed(processed)
+        _check_static_rows((x, y, weight))
         with tf.control_dependencies(_check_rows((x, y, weight), tf.shape(slots)[0])):
             real = tf.identity(real)
         weight = _zero_padding_weight(_float_weight(weight), real)

@@ -52,6 +52,15 @@ def reduce_per_example(values, sample_weight=None, mask=None, reduction="sum_ove
             "A DP optimizer needs a scalar loss per example; the compiled loss "
             "has reduction='none'. Use 'sum_over_batch_size' (the default)."
         )
+    if mask is None and _normalises_by_length(values, sample_weight, reduction):
+        raise ValueError(
+            "keras_dp_lm refused the loss: its per-example value is divided by the "
+            f"padded length of the batch (values of shape {tuple(values.shape)}, "
+            f"reduction={reduction!r}), which is unknown until the batch is built and "
+            "depends on the other examples (the longest one sets it): one example "
+            "would then rescale every other example's gradient. Pad every batch to a "
+            "fixed length (e.g. a preprocessor's `sequence_length`), or use "
+            "reduction='mean_with_sample_weight' with the padding mask as sample_weight.")
     if mask is not None:
         mask = ops.cast(mask, values.dtype)
         if reduction in _MEAN_REDUCTIONS:
@@ -76,6 +85,16 @@ def reduce_per_example(values, sample_weight=None, mask=None, reduction="sum_ove
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
         return ops.divide_no_nan(summed, _per_example_sum(sample_weight))
     return ops.divide_no_nan(summed, _elements_per_example(values))
+
+
+def _normalises_by_length(values, sample_weight, reduction):
+    """True if the per-example value divides by a non-static element count."""
+    per_example = values.shape[1:]
+    if per_example.is_fully_defined():
+        return False
+    if reduction in _MEAN_REDUCTIONS:
+        return True
+    return reduction == "mean_with_sample_weight" and sample_weight is None
 
 
 def _resolve(path, structure):
