@@ -519,6 +519,7 @@ def run(args):
             "target_epsilon": args.target_epsilon,
             "total_epsilon": float(privacy["total_epsilon"]),
             "total_delta": float(privacy["total_delta"]),
+            "overflow_delta_reserved": float(args.delta - privacy["total_delta"]),
             "training_epsilon": float(privacy["epsilon"]),
             "training_delta": float(privacy["delta"]),
             "vocabulary_epsilon": vocab_epsilon,

@@ -7,6 +7,7 @@ import dp_accounting
 import pytest
 
 from keras_dp_lm.recipes import DPRecipe
+from keras_dp_lm.recipes.fine_tuning import OVERFLOW_SHARE
 from keras_dp_lm.recipes import suggest_recipe
 
 
@@ -27,14 +28,28 @@ def _pld_epsilon(sigma, q, steps, delta, extra=()):
     return total.get_epsilon_for_delta(delta)
 
 
+COMPOSED = 1e-6 * (1 - OVERFLOW_SHARE)  # delta minus the overflow reserve
+
+
 def test_recipe_spends_at_most_the_target_and_not_much_less():
     recipe = suggest_recipe(20_000, 3.0, delta=1e-6, epochs=4.0)
-    direct = _pld_epsilon(recipe.noise_multiplier, recipe.sampling_rate, recipe.steps, 1e-6)
+    direct = _pld_epsilon(recipe.noise_multiplier, recipe.sampling_rate, recipe.steps,
+                          COMPOSED)
     assert direct <= 3.0
     assert recipe.epsilon == pytest.approx(direct, rel=1e-9)
     # The noise is the smallest that fits (calibration tolerance 1e-3).
     assert _pld_epsilon(recipe.noise_multiplier / 1.002, recipe.sampling_rate,
-                        recipe.steps, 1e-6) > 3.0
+                        recipe.steps, COMPOSED) > 3.0
+
+
+def test_the_padded_cap_overflows_within_the_reserved_delta():
+    from keras_dp_lm.data import overflow_probability
+
+    recipe = suggest_recipe(50_000, 8.0, delta=1e-6, epochs=2.0)
+    p = overflow_probability(recipe.dataset_size + 1, recipe.sampling_rate,
+                             recipe.max_batch_size(), recipe.steps)
+    assert (1 + math.exp(8.0)) * p <= OVERFLOW_SHARE * 1e-6
+    assert recipe.training_delta == pytest.approx(COMPOSED)
 
 
 def test_recipe_composes_extra_releases_into_the_budget():
@@ -42,14 +57,14 @@ def test_recipe_composes_extra_releases_into_the_budget():
     recipe = suggest_recipe(69_801, 8.0, delta=1e-6, epochs=1.5,
                             extra_events=[vocabulary])
     direct = _pld_epsilon(recipe.noise_multiplier, recipe.sampling_rate, recipe.steps,
-                          1e-6, extra=[vocabulary])
+                          COMPOSED, extra=[vocabulary])
     assert direct <= 8.0
     assert _pld_epsilon(recipe.noise_multiplier / 1.002, recipe.sampling_rate,
-                        recipe.steps, 1e-6, extra=[vocabulary]) > 8.0
-    assert recipe.training_delta == pytest.approx(5e-7)
+                        recipe.steps, COMPOSED, extra=[vocabulary]) > 8.0
+    assert recipe.training_delta == pytest.approx(COMPOSED - 5e-7)
     assert recipe.training_epsilon == pytest.approx(
-        _pld_epsilon(recipe.noise_multiplier, recipe.sampling_rate, recipe.steps, 5e-7),
-        rel=1e-9)
+        _pld_epsilon(recipe.noise_multiplier, recipe.sampling_rate, recipe.steps,
+                     recipe.training_delta), rel=1e-9)
 
 
 def test_rules_large_batch_few_hundred_steps_small_clip_scaled_rate():

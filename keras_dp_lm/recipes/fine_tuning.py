@@ -44,6 +44,9 @@ from keras_dp_lm.accounting.events import dp_sgd_event
 
 __all__ = ["DPRecipe", "suggest_recipe"]
 
+# The share of delta reserved for a Poisson draw above the padded cap.
+OVERFLOW_SHARE = 1e-3
+
 
 @dataclasses.dataclass(frozen=True)
 class DPRecipe:
@@ -60,9 +63,13 @@ class DPRecipe:
         learning_rate: for Adam / AdamW.
         gradient_accumulation_steps: micro-batches per logical batch
             (``ceil(max_batch_size / micro_batch_size)`` of the padded batch).
-        epsilon: the total epsilon at ``delta`` that the recipe spends (PLD,
-            training composed with ``extra_events``), ``<= target_epsilon``.
-        training_epsilon: the training alone, at ``training_delta``.
+        epsilon: the total epsilon that the recipe spends (PLD, training
+            composed with ``extra_events``, at ``delta`` minus the overflow
+            reserve), ``<= target_epsilon``.
+        training_epsilon: the training alone, at ``training_delta`` (``delta``
+            minus the extra events' deltas minus ``OVERFLOW_SHARE * delta``
+            reserved for a Poisson draw above :meth:`max_batch_size`).
+        overflow_probability: the cap's overflow probability over the run.
         extra_events: the other releases composed with training.
         reasons: one line per choice; :meth:`explain` joins them.
     """
@@ -82,6 +89,7 @@ class DPRecipe:
     training_delta: float
     extra_events: tuple = ()
     reasons: tuple = ()
+    overflow_probability: float = 0.0
 
     @property
     def epochs(self):
@@ -134,10 +142,12 @@ class DPRecipe:
                                         num_steps=self.steps, **kwargs)
 
     def max_batch_size(self):
-        """Padded batch cap with overflow probability <= 1e-9 over the run."""
+        """Padded batch cap: a draw above it over the whole run has probability at
+        most ``overflow_probability``, whose delta the recipe reserved."""
         from keras_dp_lm.data import suggest_max_batch_size
 
-        return suggest_max_batch_size(self.dataset_size, self.sampling_rate, self.steps)
+        return suggest_max_batch_size(self.dataset_size, self.sampling_rate, self.steps,
+                                      max_overflow_probability=self.overflow_probability)
 
     def accountant(self, batches=None, **kwargs):
         """A :class:`~keras_dp_lm.callbacks.PrivacyAccountant` that stops at the recipe's
@@ -206,7 +216,12 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
     if not 0 < delta < 1:
         raise ValueError(f"`delta` must be in (0, 1), got {delta!r}.")
     extra_events = tuple(extra_events)
-    training_delta = delta - _extra_delta(extra_events)
+    # Poisson batches are padded to a cap; a draw above it (probability p over
+    # the run) adds (1 + e^eps) p to delta (keras_dp_lm.data): reserve a
+    # thousandth of delta for it and size the cap accordingly.
+    overflow_delta = OVERFLOW_SHARE * delta
+    composed_delta = delta - overflow_delta
+    training_delta = composed_delta - _extra_delta(extra_events)
     if not training_delta > 0:
         raise ValueError("The extra events' deltas use up all of `delta`.")
 
@@ -237,24 +252,27 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
 
     def total_epsilon(sigma):
         return epsilon_lib.compose_epsilon([dp_sgd_event(sigma, q, steps)]
-                                           + list(extra_events), delta)
+                                           + list(extra_events), composed_delta)
 
     if extra_events:
         # The training share of the budget: training alone at training_delta,
         # checked composed with the extra events below.
         sigma = calibration.calibrate_noise_multiplier(
             target_epsilon, training_delta, q, steps, extra_events=extra_events,
-            total_delta=delta)
+            total_delta=composed_delta)
     else:
-        sigma = calibration.calibrate_noise_multiplier(target_epsilon, delta, q, steps)
+        sigma = calibration.calibrate_noise_multiplier(target_epsilon, composed_delta, q,
+                                                       steps)
     spent = total_epsilon(sigma) if extra_events else epsilon_lib.compute_epsilon(
-        sigma, q, steps, delta)
+        sigma, q, steps, composed_delta)
     if spent > target_epsilon:  # never hand out a recipe over budget
         raise RuntimeError(f"calibration gave epsilon {spent} > {target_epsilon}")
     training_eps = epsilon_lib.compute_epsilon(sigma, q, steps, training_delta)
     reasons.append(f"noise multiplier {sigma:.4f}: the smallest within epsilon "
-                   f"{target_epsilon:g} at delta {delta:g} (dp_accounting PLD"
-                   + (", composed with the other releases" if extra_events else "") + ")")
+                   f"{target_epsilon:g} at delta {composed_delta:.4g} (dp_accounting PLD"
+                   + (", composed with the other releases" if extra_events else "")
+                   + f"; the other {overflow_delta:.2g} of delta covers a Poisson draw "
+                   "above the padded batch cap)")
     reasons.append(f"clip {l2_norm_clip:g}: small, so every example is clipped (Li et al. "
                    "2022); with Adam it sets the noise-to-signal ratio, not the step size")
     scale = min(max_learning_rate_scale, math.sqrt(batch / reference_batch_size))
@@ -277,4 +295,5 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
         sampling_rate=q, steps=steps, noise_multiplier=sigma, l2_norm_clip=l2_norm_clip,
         learning_rate=lr, gradient_accumulation_steps=accumulation, epsilon=spent,
         training_epsilon=training_eps, training_delta=training_delta,
-        extra_events=extra_events, reasons=tuple(reasons))
+        extra_events=extra_events, reasons=tuple(reasons),
+        overflow_probability=overflow_delta / (1.0 + math.exp(target_epsilon)))
