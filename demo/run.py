@@ -420,7 +420,8 @@ def run(args):
         "steps": curve_steps,
         "training": accounting.epsilon_curve(sigma, sampling_rate, curve_steps,
                                              train_delta),
-        "total": accounting.epsilon_curve(sigma, sampling_rate, curve_steps, args.delta,
+        "total": accounting.epsilon_curve(sigma, sampling_rate, curve_steps,
+                                          train_delta + vocab_delta,
                                           extra_events=[(vocab_epsilon, vocab_delta)]),
     }
     timings["dp_accounting_report"] = time.time() - t
