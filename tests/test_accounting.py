@@ -511,3 +511,16 @@ def test_statement_and_extras_on_callback():
     assert text == accounting.privacy_statement(report)
     assert "8 noised updates" in text and "logical batch 8 of 64 examples" in text
     assert "Poisson sampling" in text and "at most 2 examples" in text
+
+
+def test_calibration_with_a_strong_extra_release_falls_back_instead_of_crashing():
+    """Review finding: with a GaussianDpEvent(3.0) release at q=1e-3 the fast-curve
+    search probed tiny noise and crashed (math domain / overflow / 79 GiB)."""
+    import dp_accounting
+
+    from keras_dp_lm import accounting
+
+    extra = dp_accounting.GaussianDpEvent(3.0)
+    sigma = accounting.calibrate_noise_multiplier(3.0, 1e-6, 0.001, 10, extra_events=[extra])
+    assert accounting.compose_epsilon(
+        [accounting.dp_sgd_event(sigma, 0.001, 10), extra], 1e-6) <= 3.0

@@ -107,11 +107,18 @@ def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
         # fraction of a percent above) brackets the answer and gives the local
         # slope; the fine curve (within ~1e-8 of the accountant) closes in.
         points = []
-        start = _smallest_noise_within(curve_eps(COARSE_PLD_DISCRETIZATION), target_epsilon,
-                                       start, rtol, points=points) or start
-        slope = _log_slope(points)
-        sigma = _smallest_noise_within(curve_eps(), target_epsilon * (1 - _SEARCH_MARGIN),
-                                       start, rtol / 2, slope=slope)
+        try:
+            start = _smallest_noise_within(curve_eps(COARSE_PLD_DISCRETIZATION),
+                                           target_epsilon, start, rtol, points=points) or start
+            slope = _log_slope(points)
+            sigma = _smallest_noise_within(curve_eps(), target_epsilon * (1 - _SEARCH_MARGIN),
+                                           start, rtol / 2, slope=slope)
+        except (ArithmeticError, MemoryError, ValueError) as error:
+            if "not reachable" in str(error):
+                raise
+            # The fast curves failed at an extreme probe (e.g. a tiny sigma whose
+            # PLD does not fit in memory): dp_accounting's own solver below.
+            start, sigma = 1.0, None
     else:
         sigma = _smallest_noise_within(eps, target_epsilon, start, rtol)
     if sigma is None:  # secant search did not converge: dp_accounting's solver
