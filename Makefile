@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-$(DATA)/.fetched: $(VENV)/.installed
+$(DATA)/.fetched: $(VENV)/.installed demo/fetch_corpora.py
 	$(PY) demo/fetch_corpora.py fetch --data-dir $(DATA)
 	touch $@
 

