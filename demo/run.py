@@ -108,7 +108,7 @@ def build_parser():
                    help="the Adam rate you would use non-privately at batch "
                         "--pretrain-batch-size; the recipe scales it for its batch")
     p.add_argument("--baseline-learning-rate", type=float, default=None,
-                   help="non-private baseline (default: the recipe's rate)")
+                   help="non-private baseline (default: the recipe's rate without its DP noise factor)")
     p.add_argument("--pretrain-learning-rate", type=float, default=3e-3)
     p.add_argument("--l2-norm-clip", type=float, default=0.1)
     p.add_argument("--sampling", default="poisson", choices=["poisson", "shuffle"],
@@ -376,6 +376,7 @@ def run(args):
     recipe = recipes.suggest_recipe(
         n_private, args.target_epsilon, delta=args.delta, epochs=args.epochs,
         learning_rate=args.learning_rate, reference_batch_size=args.pretrain_batch_size,
+        num_parameters=sum(math.prod(v.shape) for v in pretrained.trainable_variables),
         l2_norm_clip=args.l2_norm_clip, extra_events=[(vocab_epsilon, vocab_delta)],
         batch_size=args.batch_size, steps=args.steps)
     timings["dp_calibration"] = time.time() - t
@@ -433,7 +434,9 @@ def run(args):
     t = time.time()
     baseline = build_model(args, proto, args.seed)
     baseline.set_weights(weights)
-    baseline_lr = args.baseline_learning_rate or recipe.learning_rate
+    # The non-private rate scaled for the batch, without the DP noise factor.
+    baseline_lr = (args.baseline_learning_rate
+                   or recipe.learning_rate / recipe.noise_learning_rate_factor)
     baseline.compile(optimizer=keras.optimizers.Adam(baseline_lr), weighted_metrics=[])
     _log(f"non-private baseline: {steps} steps of batch {recipe.batch_size}, Adam "
          f"{baseline_lr:.3g}")

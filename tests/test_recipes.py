@@ -69,12 +69,15 @@ def test_recipe_composes_extra_releases_into_the_budget():
 
 def test_rules_large_batch_few_hundred_steps_small_clip_scaled_rate():
     recipe = suggest_recipe(50_000, 8.0, epochs=2.0, learning_rate=1e-3,
-                            reference_batch_size=64, micro_batch_size=256)
+                            reference_batch_size=64, micro_batch_size=256,
+                            num_parameters=1_000)
     assert (recipe.steps, recipe.batch_size) == (100, 1000)
     assert recipe.sampling_rate == pytest.approx(1000 / 50_000)
     assert recipe.gradient_accumulation_steps == 4
     assert recipe.l2_norm_clip == 0.1
-    assert recipe.learning_rate == pytest.approx(1e-3 * math.sqrt(1000 / 64))
+    assert recipe.noise_learning_rate_factor < 1.01  # r << 1: hardly any noise factor
+    assert recipe.learning_rate == pytest.approx(
+        1e-3 * math.sqrt(1000 / 64) * recipe.noise_learning_rate_factor)
     assert recipe.delta == 1e-6  # 10^floor(log10(1 / (10 N)))
     assert recipe.epochs == pytest.approx(2.0)
     text = recipe.explain()
@@ -83,9 +86,43 @@ def test_rules_large_batch_few_hundred_steps_small_clip_scaled_rate():
 
 def test_batch_is_capped_and_the_budget_buys_more_steps():
     recipe = suggest_recipe(1_000_000, 8.0, epochs=1.0, max_batch_size=4096,
-                            learning_rate=1e-4, max_learning_rate_scale=4.0)
+                            learning_rate=1e-4, max_learning_rate_scale=4.0,
+                            num_parameters=1_000)
     assert recipe.batch_size == 4096 and recipe.steps == 244
-    assert recipe.learning_rate == pytest.approx(4e-4)  # the cap
+    assert recipe.noise_learning_rate_factor < 1.001  # r << 1: hardly any noise factor
+    assert recipe.learning_rate == pytest.approx(4e-4 * recipe.noise_learning_rate_factor)
+
+
+def test_learning_rate_is_raised_for_the_noise_in_adams_second_moment():
+    kwargs = dict(dataset_size=10_222, target_epsilon=3.0, epochs=3.0, learning_rate=1e-4,
+                  reference_batch_size=32)
+    recipe = suggest_recipe(**kwargs, num_parameters=1_000_000)
+    sigma, batch = recipe.noise_multiplier, recipe.batch_size
+    r = sigma * math.sqrt(1_000_000) / (0.25 * batch)
+    assert r > 10  # few examples, a million parameters: noise-dominated
+    assert recipe.noise_learning_rate_factor == pytest.approx(math.sqrt(1 + r * r))
+    assert recipe.learning_rate == pytest.approx(
+        1e-4 * math.sqrt(batch / 32) * math.sqrt(1 + r * r))
+    assert "noise factor" in recipe.explain()
+    # The factor grows with the parameter count and the alignment assumption,
+    # never changes the privacy, and is capped.
+    smaller = suggest_recipe(**kwargs, num_parameters=100_000)
+    assert 1.0 < smaller.noise_learning_rate_factor < recipe.noise_learning_rate_factor
+    aligned = suggest_recipe(**kwargs, num_parameters=1_000_000, gradient_alignment=1.0)
+    assert aligned.noise_learning_rate_factor < recipe.noise_learning_rate_factor
+    assert (smaller.noise_multiplier, smaller.epsilon) == (sigma, recipe.epsilon)
+    capped = suggest_recipe(**kwargs, num_parameters=3_700_000)
+    assert capped.noise_learning_rate_factor == 16.0  # the default cap
+    assert suggest_recipe(**kwargs, num_parameters=3_700_000,
+                          max_noise_learning_rate_scale=4.0).noise_learning_rate_factor == 4.0
+
+
+def test_without_the_parameter_count_the_rate_is_uncorrected_and_says_so():
+    with pytest.warns(UserWarning, match="num_parameters"):
+        recipe = suggest_recipe(10_222, 3.0, epochs=3.0, learning_rate=1e-4)
+    assert recipe.noise_learning_rate_factor == 1.0
+    assert recipe.learning_rate == pytest.approx(1e-4 * math.sqrt(recipe.batch_size / 32))
+    assert "no noise correction" in recipe.explain()
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -94,6 +131,8 @@ def test_batch_is_capped_and_the_budget_buys_more_steps():
     dict(dataset_size=100, target_epsilon=1.0, delta=1.5),
     dict(dataset_size=100, target_epsilon=1.0, epochs=0),
     dict(dataset_size=100, target_epsilon=1.0, delta=1e-6, extra_events=[(0.5, 1e-6)]),
+    dict(dataset_size=100, target_epsilon=1.0, num_parameters=0),
+    dict(dataset_size=100, target_epsilon=1.0, num_parameters=10, gradient_alignment=0),
 ])
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ValueError):
