@@ -27,6 +27,28 @@ def _as_float(x):
     return x if x.dtype.is_floating else tf.cast(x, tf.float32)
 
 
+def _in_xla():
+    """Whether ops are being traced for XLA (``jit_compile=True``)."""
+    try:
+        from tensorflow.python.ops import control_flow_util  # TF internal, no public API
+        return bool(control_flow_util.GraphOrParentsInXlaContext(
+            tf.compat.v1.get_default_graph()))
+    except (ImportError, AttributeError):  # pragma: no cover
+        return False
+
+
+def _weighted_sum(c, per):
+    """``sum_i c[i] * per[i]`` over the leading axis, in float32.
+
+    A matrix-vector product on TensorFlow's kernels; under XLA on CPU that dot
+    is ~15x slower than a fused multiply-and-reduce, which is used instead.
+    """
+    c, per = tf.cast(c, tf.float32), tf.cast(per, tf.float32)
+    if _in_xla():
+        return tf.reduce_sum(per * tf.reshape(c, [-1] + [1] * (per.shape.rank - 1)), axis=0)
+    return tf.tensordot(c, per, axes=[[0], [0]])
+
+
 def _sum_except_batch(x):
     return tf.reduce_sum(x, axis=list(range(1, x.shape.rank)))
 

@@ -67,10 +67,15 @@ from keras_dp_lm.clipping._common import _as_float
 from keras_dp_lm.clipping._common import _static
 from keras_dp_lm.clipping._common import _sum_except_batch
 from keras_dp_lm.clipping._common import _var_path
+from keras_dp_lm.clipping._common import _weighted_sum
 from keras_dp_lm.clipping.exact import _tf_variable
 from keras_dp_lm.clipping.exact import per_example_gradients
 from keras_dp_lm.clipping.ghost import _Grams
+from keras_dp_lm.clipping.ghost import _Linear
+from keras_dp_lm.clipping.ghost import _Lookup
+from keras_dp_lm.clipping.ghost import _PerExample
 from keras_dp_lm.clipping.ghost import _choose
+from keras_dp_lm.clipping.ghost import _merge_lookups
 from keras_dp_lm.clipping.ghost import _sq_norm
 from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import UncoveredLayersError
@@ -83,6 +88,10 @@ from keras_dp_lm.clipping.recording import _recording
 
 _LAST_DECISIONS = weakref.WeakKeyDictionary()
 _LAST_REASONS = weakref.WeakKeyDictionary()
+
+
+def _builtin(contrib):
+    return isinstance(contrib, (_Linear, _Lookup, _PerExample))
 
 
 def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None):
@@ -172,14 +181,18 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     sq = tf.zeros([B], tf.float32)
     grams = _Grams()
     decisions = {}
-    for key, contribs in by_var.items():
+    per_example = {}   # id(var) -> [B, *var.shape]: clipped sum is sum_i c_i grad_i
+    for key, contribs in list(by_var.items()):
         for c in contribs:
             c.prepare()
-        choice = _choose(contribs, batch)
+        contribs = by_var[key] = _merge_lookups(contribs)
+        choice, keep = _choose(contribs, batch)
         decisions[_var_path(contribs[0].var)] = choice
-        sq = sq + _sq_norm(contribs, choice, grams)
+        term, per = _sq_norm(contribs, choice, grams)
+        sq = sq + term
+        if keep:
+            per_example[key] = per
 
-    per_example = {}
     if exact:
         pe = per_example_gradients(loss_fn, data, exact, B)
         for v, g in zip(exact, pe):
@@ -190,19 +203,32 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     norms = tf.sqrt(sq)
     factors = clip_factors(norms, l2_norm_clip, slot_mask)
 
-    grads = []
-    for v in plan.trainable:
-        if id(v) in per_example:
-            g = tf.reduce_sum(scale_examples(per_example[id(v)], factors), axis=0)
-            grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
-        elif id(v) in by_var:
-            g = None
-            for c in by_var[id(v)]:
-                part = c.clipped(factors)
-                g = part if g is None else g + part
-            grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
-        else:
-            grads.append(tf.zeros(v.shape, tf.as_dtype(v.dtype)))
+    def clipped_sums(safe):
+        grads = []
+        for v in plan.trainable:
+            if id(v) in per_example:
+                per = per_example[id(v)]
+                if safe:
+                    g = tf.reduce_sum(scale_examples(per, factors), axis=0)
+                else:
+                    g = _weighted_sum(factors, per)
+                grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
+            elif id(v) in by_var:
+                g = None
+                for c in by_var[id(v)]:
+                    part = c.clipped(factors, safe) if _builtin(c) else c.clipped(factors)
+                    g = part if g is None else g + part
+                grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
+            else:
+                grads.append(tf.zeros(v.shape, tf.as_dtype(v.dtype)))
+        return grads
+
+    # Every norm finite (the usual case) means every recorded factor is finite
+    # (a non-finite entry makes its example's norm non-finite), so the clip
+    # factors are applied by one multiply of the smaller factor. Otherwise
+    # the rows of dropped examples are replaced by zeros (0 * nan is nan).
+    finite = tf.reduce_all(tf.math.is_finite(sq))
+    grads = tf.cond(finite, lambda: clipped_sums(False), lambda: clipped_sums(True))
     try:
         _LAST_DECISIONS[model] = decisions
         _LAST_REASONS[model] = {_var_path(v): r for v in plan.trainable

@@ -17,6 +17,7 @@ from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _prod
 from keras_dp_lm.clipping._common import _static
 from keras_dp_lm.clipping._common import _sum_except_batch
+from keras_dp_lm.clipping._common import _weighted_sum
 from keras_dp_lm.clipping.interface import scale_examples
 
 # Caps on the transient memory of one variable's norm computation.  Above the
@@ -37,7 +38,23 @@ class _Call:
 def _zero_dropped(t, c):
     """``t`` with the rows of examples whose clip factor is 0 set to exactly 0."""
     keep = tf.reshape(tf.cast(c, tf.float32) > 0, [-1] + [1] * (t.shape.rank - 1))
-    return tf.where(keep, t, tf.zeros_like(t))
+    # A broadcast scalar, not zeros_like(t): grappler would fold a full-size
+    # zeros tensor into a constant kept in memory between steps.
+    return tf.where(keep, t, tf.zeros([], t.dtype))
+
+
+def _scale(t, c, safe):
+    """``c[i] * t[i]`` (float32).
+
+    With ``safe``, rows with ``c[i] == 0`` are exactly 0 even when ``t[i]`` is
+    not finite (:func:`scale_examples`). Without, one multiply: only for
+    factors known to be finite (every per-example norm was finite, and a
+    non-finite entry of an example's factor makes its norm non-finite).
+    """
+    if safe:
+        return scale_examples(t, c)
+    t = tf.cast(t, tf.float32)
+    return t * tf.reshape(tf.cast(c, tf.float32), [-1] + [1] * (t.shape.rank - 1))
 
 
 class _Linear:
@@ -67,16 +84,27 @@ class _Linear:
     def inst_cost(self):
         return _or(self.H, 1) * _or(self.T, _DEFAULT_T) * _or(self.m, 1) * _or(self.n, 1)
 
-    def instantiate(self):
-        return self.to_var(tf.einsum("bhtm,bhtn->bhmn", self.X, self.Y), True)
+    def held(self):
+        """Floats per example held for the book-keeping sum: the two factors."""
+        return _or(self.H, 1) * _or(self.T, _DEFAULT_T) * (_or(self.m, 1) + _or(self.n, 1))
 
-    def clipped(self, c):
-        # Both factors' rows of a dropped example are zeroed (not multiplied:
-        # 0 * nan is nan), the smaller one carries the clip factor.
+    def sum_cost(self):
+        return self.inst_cost()
+
+    def instantiate(self):
+        return self.to_var(tf.matmul(self.X, self.Y, transpose_a=True), True)
+
+    def clipped(self, c, safe=True):
+        # The smaller factor carries the clip factor. With ``safe`` both
+        # factors' rows of a dropped example are zeroed (not multiplied:
+        # 0 * nan is nan); without, all factors are finite and a zero factor
+        # zeroes the example's rows exactly.
         if _or(self.n, 0) <= _or(self.m, 0):
-            X, Y = _zero_dropped(self.X, c), scale_examples(self.Y, c)
+            X = _zero_dropped(self.X, c) if safe else self.X
+            Y = _scale(self.Y, c, safe)
         else:
-            X, Y = scale_examples(self.X, c), _zero_dropped(self.Y, c)
+            X = _scale(self.X, c, safe)
+            Y = _zero_dropped(self.Y, c) if safe else self.Y
         if self.H == 1 and self.m is not None and self.n is not None:
             mat = tf.matmul(tf.reshape(X, [-1, self.m]), tf.reshape(Y, [-1, self.n]),
                             transpose_a=True)[None]
@@ -105,7 +133,55 @@ class _Lookup:
         self.ids = tf.reshape(tf.cast(self.ids_raw, tf.int32), [-1, _or(self.T, -1)])
         self.ids.set_shape(self.G.shape[:2])
 
+    @classmethod
+    def merged(cls, lookups):
+        """One lookup of all ``lookups`` (prepared, same table): ids and output
+        gradients concatenated along the sequence, so the table's per-example
+        gradient is the same sum and its norm one computation."""
+        if len(lookups) == 1:
+            return lookups[0]
+        out = cls.__new__(cls)
+        first = lookups[0]
+        out.var, out.call, out.distinct = first.var, None, False
+        out.V, out.d = first.V, first.d
+        lengths = [c.T for c in lookups]
+        out.T = None if None in lengths else sum(lengths)
+        out.G = tf.concat([c.G for c in lookups], axis=1)
+        out.ids = tf.concat([c.ids for c in lookups], axis=1)
+        return out
+
+    def self_norm(self):
+        """``||sum_t onehot(id_t) g_t^T||^2`` per example, ``[B]``, in O(T d).
+
+        Equal ids are grouped by sorting each example's ids; the squared norm
+        is the sum over groups of ``||sum of the group's g_t||^2``, so neither
+        the ``[V, d]`` gradient nor a ``T x T`` Gram matrix is formed.
+        """
+        if self.distinct:
+            return tf.reduce_sum(tf.square(self.G), axis=[1, 2])
+        ids = self.ids
+        shape = tf.shape(ids)
+        B = _or(_static(ids.shape[0]), shape[0])
+        T = _or(_static(ids.shape[1]), shape[1])
+        order = tf.argsort(ids, axis=1, stable=True)
+        ranked = tf.gather(ids, order, batch_dims=1)
+        first = tf.concat([tf.ones_like(ranked[:, :1], tf.bool),
+                           tf.not_equal(ranked[:, 1:], ranked[:, :-1])], axis=1)
+        group = tf.cumsum(tf.cast(first, tf.int32), axis=1) - 1   # in sorted order
+        # Group of each token in its original position (inverse permutation).
+        group = tf.gather(group, tf.argsort(order, axis=1), batch_dims=1)
+        group = group + tf.range(B, dtype=tf.int32)[:, None] * T
+        sums = tf.math.unsorted_segment_sum(tf.reshape(self.G, [-1, self.d]),
+                                            tf.reshape(group, [-1]), B * T)
+        return tf.reduce_sum(tf.reshape(tf.square(sums), [B, -1]), axis=1)
+
     def inst_cost(self):
+        return _or(self.T, _DEFAULT_T) * _or(self.d, 1)
+
+    def held(self):
+        return _or(self.T, _DEFAULT_T) * (_or(self.d, 1) + 1)
+
+    def sum_cost(self):
         return _or(self.T, _DEFAULT_T) * _or(self.d, 1)
 
     def instantiate(self):
@@ -115,8 +191,8 @@ class _Lookup:
                                             tf.reshape(offs, [-1]), B * self.V)
         return tf.reshape(flat, [-1, self.V, self.d])
 
-    def clipped(self, c):
-        G = scale_examples(self.G, c)
+    def clipped(self, c, safe=True):
+        G = _scale(self.G, c, safe)
         return tf.math.unsorted_segment_sum(tf.reshape(G, [-1, self.d]),
                                             tf.reshape(self.ids, [-1]), self.V)
 
@@ -135,11 +211,19 @@ class _PerExample:
     def inst_cost(self):
         return _prod([_static(s) for s in self.var.shape]) or 1
 
+    def held(self):
+        return self.inst_cost()
+
+    def sum_cost(self):
+        return self.inst_cost()
+
     def instantiate(self):
         return self.P
 
-    def clipped(self, c):
-        return tf.reduce_sum(scale_examples(self.P, c), axis=0)
+    def clipped(self, c, safe=True):
+        if safe:
+            return tf.reduce_sum(scale_examples(self.P, c), axis=0)
+        return _weighted_sum(c, self.P)
 
 
 class _Grams:
@@ -183,8 +267,8 @@ def _pair_cost(a, b):
         return (_or(a.H, 1) * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
                 * (_or(a.m, 1) + _or(a.n, 1) + 1))
     if a.kind == "lookup" and b.kind == "lookup":
-        if a is b and a.distinct:
-            return _or(a.T, _DEFAULT_T) * _or(a.d, 1)
+        if a is b:  # grouped by sorting the ids (see _Lookup.self_norm)
+            return 4 * _or(a.T, _DEFAULT_T) * _or(a.d, 1)
         return _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T) * (_or(a.d, 1) + 1)
     lin, lk = (a, b) if a.kind == "linear" else (b, a)
     return _or(lin.T, _DEFAULT_T) * _or(lk.T, _DEFAULT_T) * (_or(lk.d, 1) + 2)
@@ -194,8 +278,8 @@ def _pair_mem(a, b):
     """Floats per example of the Gram matrices a ghost pair needs."""
     if a.kind == "linear" and b.kind == "linear":
         return 2 * _or(a.H, 1) * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
-    if a is b and a.kind == "lookup" and a.distinct:
-        return 0
+    if a is b and a.kind == "lookup":
+        return 2 * _or(a.T, _DEFAULT_T) * _or(a.d, 1)
     return 2 * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
 
 
@@ -206,8 +290,8 @@ def _inner(a, b, grams):
         yy = grams.get(a.keys[1], a.Y, b.keys[1], b.Y)
         return tf.reduce_sum(xx * yy, axis=[1, 2, 3])
     if a.kind == "lookup" and b.kind == "lookup":
-        if a is b and a.distinct:
-            return tf.reduce_sum(tf.square(a.G), axis=[1, 2])
+        if a is b:
+            return a.self_norm()
         same = tf.cast(tf.equal(a.ids[:, :, None], b.ids[:, None, :]), a.G.dtype)
         return tf.reduce_sum(same * tf.matmul(a.G, b.G, transpose_b=True), axis=[1, 2])
     lin, lk = (a, b) if a.kind == "linear" else (b, a)
@@ -218,28 +302,55 @@ def _inner(a, b, grams):
     return tf.reduce_sum(picked * tf.matmul(h, lk.G, transpose_b=True), axis=[1, 2])
 
 
+def _merge_lookups(contribs):
+    """A variable's prepared contributions with its lookups merged into one."""
+    lookups = [c for c in contribs if c.kind == "lookup"]
+    if len(lookups) < 2:
+        return list(contribs)
+    return [_Lookup.merged(lookups)] + [c for c in contribs if c.kind != "lookup"]
+
+
+def _keepable(size, held, batch):
+    """Whether a per-example gradient of ``size`` floats may be kept until the
+    clipped sum: no larger than the factors it replaces (``held`` floats per
+    example) and within the instantiation memory cap."""
+    return size <= held and 4 * _or(batch, 32) * size <= _INSTANTIATE_MAX_BYTES
+
+
 def _choose(contribs, batch):
-    """"ghost" or "instantiate" for one variable's contributions (static decision)."""
+    """``(method, keep)`` for one variable's contributions (static decision).
+
+    ``method`` is "ghost" or "instantiate"; ``keep`` means the instantiated
+    per-example gradient is kept and the clipped sum is ``sum_i c_i grad_i``
+    (no book-keeping matmul): chosen when it takes no more memory than the
+    layer inputs and output gradients book-keeping would hold.
+    """
+    size = _prod([_static(s) for s in contribs[0].var.shape]) or 1
+    keep = _keepable(size, sum(c.held() for c in contribs), batch)
     if any(c.kind == "dense" for c in contribs):
-        return "instantiate"
+        return "instantiate", keep
     pairs = [(a, b) for i, a in enumerate(contribs) for b in contribs[i:]]
     if not all(_ghostable(a, b) for a, b in pairs):
-        return "instantiate"
-    size = _prod([_static(s) for s in contribs[0].var.shape]) or 1
-    ghost = sum(_pair_cost(a, b) for a, b in pairs)
+        return "instantiate", keep
+    summing = sum(c.sum_cost() for c in contribs)   # the book-keeping matmuls
+    ghost = sum(_pair_cost(a, b) for a, b in pairs) + summing
     inst = sum(c.inst_cost() for c in contribs) + (len(contribs) + 1) * size
+    inst += 2 * size if keep else summing
     b = _or(batch, 32)
     ghost_mem = 4 * b * max(_pair_mem(a, b_) for a, b_ in pairs)
     inst_mem = 4 * b * size
     ghost_ok, inst_ok = ghost_mem <= _GHOST_MAX_BYTES, inst_mem <= _INSTANTIATE_MAX_BYTES
     if ghost_ok and inst_ok:
-        return "ghost" if ghost <= inst else "instantiate"
-    if ghost_ok or inst_ok:
-        return "ghost" if ghost_ok else "instantiate"
-    return "ghost" if ghost_mem <= inst_mem else "instantiate"
+        choice = "ghost" if ghost <= inst else "instantiate"
+    elif ghost_ok or inst_ok:
+        choice = "ghost" if ghost_ok else "instantiate"
+    else:
+        choice = "ghost" if ghost_mem <= inst_mem else "instantiate"
+    return choice, keep and choice == "instantiate"
 
 
 def _sq_norm(contribs, choice, grams):
+    """``(squared norms [B], per-example gradient [B, *var.shape] or None)``."""
     if choice == "ghost":
         total = None
         for i, a in enumerate(contribs):
@@ -247,15 +358,18 @@ def _sq_norm(contribs, choice, grams):
                 term = _inner(a, contribs[j], grams)
                 term = term if i == j else 2.0 * term
                 total = term if total is None else total + term
-        return tf.cast(total, tf.float32)
+        return tf.cast(total, tf.float32), None
     per = contribs[0].instantiate()
     for c in contribs[1:]:
         per = per + c.instantiate()
-    return tf.cast(_sum_except_batch(tf.square(per)), tf.float32)
+    per = tf.cast(per, tf.float32)
+    return _sum_except_batch(tf.square(per)), per
 
 
 def _static_linear(H, m, n, T, B):
-    ghost, inst = H * T * T * (m + n + 1), H * T * m * n + 2 * H * m * n
+    keep = _keepable(H * m * n, H * T * (m + n), B)
+    ghost = H * T * T * (m + n + 1) + H * T * m * n
+    inst = H * T * m * n + 2 * H * m * n + (2 * H * m * n if keep else H * T * m * n)
     ghost_ok = 4 * B * 2 * H * T * T <= _GHOST_MAX_BYTES
     inst_ok = 4 * B * H * m * n <= _INSTANTIATE_MAX_BYTES
     if ghost_ok and inst_ok:

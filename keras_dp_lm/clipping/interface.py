@@ -88,7 +88,9 @@ def scale_examples(per_example, factors):
     per_example = tf.cast(per_example, tf.float32)
     factors = tf.reshape(tf.cast(factors, tf.float32),
                          [-1] + [1] * (per_example.shape.rank - 1))
-    return tf.where(factors > 0, per_example * factors, tf.zeros_like(per_example))
+    # A broadcast scalar zero, not zeros_like: grappler would fold a full-size
+    # zeros tensor into a constant that stays in memory between steps.
+    return tf.where(factors > 0, per_example * factors, tf.zeros([], tf.float32))
 
 
 def batch_size_of(data):
