@@ -83,7 +83,11 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
-from scipy import stats
+
+from keras_dp_lm.accounting.overflow import _check_int
+from keras_dp_lm.accounting.overflow import _check_rate
+from keras_dp_lm.accounting.overflow import overflow_probability  # noqa: F401 (public here too)
+from keras_dp_lm.accounting.overflow import suggest_max_batch_size  # noqa: F401
 
 __all__ = [
     "PADDING_MODES",
@@ -143,73 +147,6 @@ OVERFLOW_MODES = ("raise", "truncate")
 
 class PoissonOverflowError(RuntimeError):
     """A Poisson draw had more examples than ``max_batch_size``."""
-
-
-def _check_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
-    return int(value)
-
-
-def _check_rate(value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
-        raise ValueError(f"`sampling_rate` must be in (0, 1], got {value!r}.")
-    return float(value)
-
-
-def overflow_probability(dataset_size, sampling_rate, max_batch_size, steps=1):
-    """Probability that at least one of ``steps`` Poisson draws exceeds ``max_batch_size``.
-
-    One draw has ``Binomial(dataset_size, sampling_rate)`` examples; its tail
-    ``P(X > max_batch_size)`` comes from ``scipy.stats.binom.sf`` and the
-    union over independent steps is ``1 - (1 - p)^steps``.
-
-    Example:
-        >>> overflow_probability(60000, 256 / 60000, 340, steps=2000) > 1e-4
-        True
-        >>> overflow_probability(60000, 256 / 60000, 378, steps=2000) < 1e-9
-        True
-    """
-    dataset_size = _check_int("dataset_size", dataset_size)
-    sampling_rate = _check_rate(sampling_rate)
-    max_batch_size = _check_int("max_batch_size", max_batch_size)
-    steps = _check_int("steps", steps, minimum=0)
-    per_step = float(stats.binom.sf(max_batch_size, dataset_size, sampling_rate))
-    if per_step <= 0 or steps == 0:
-        return 0.0
-    if per_step >= 1:
-        return 1.0
-    return float(-math.expm1(steps * math.log1p(-per_step)))
-
-
-def suggest_max_batch_size(dataset_size, sampling_rate, steps, max_overflow_probability=1e-9):
-    """Smallest ``max_batch_size`` whose overflow probability over ``steps`` draws
-    is at most ``max_overflow_probability``.
-
-    Computed for ``dataset_size + 1`` examples, so it also holds for the
-    add-one neighbouring dataset of the privacy analysis.
-
-    Example:
-        >>> suggest_max_batch_size(60000, 256 / 60000, steps=2000)
-        378
-    """
-    dataset_size = _check_int("dataset_size", dataset_size)
-    sampling_rate = _check_rate(sampling_rate)
-    steps = _check_int("steps", steps, minimum=0)
-    if not 0 < max_overflow_probability < 1:
-        raise ValueError("`max_overflow_probability` must be in (0, 1), got "
-                         f"{max_overflow_probability!r}.")
-    n = dataset_size + 1
-    if steps == 0:
-        return 1
-    per_step = -math.expm1(math.log1p(-max_overflow_probability) / steps)
-    size = int(stats.binom.isf(per_step, n, sampling_rate))
-    size = max(size - 2, 1)
-    while overflow_probability(n, sampling_rate, size, steps) > max_overflow_probability:
-        size += 1
-    while size > 1 and overflow_probability(n, sampling_rate, size - 1, steps) <= max_overflow_probability:
-        size -= 1
-    return min(size, n)
 
 
 def _is_record_list(data):

@@ -47,7 +47,7 @@ Example:
     ...                         epochs=2.0, learning_rate=1e-3, micro_batch_size=256,
     ...                         num_parameters=200_000)
     >>> recipe.steps, recipe.batch_size, recipe.gradient_accumulation_steps
-    (100, 1000, 4)
+    (100, 1000, 5)
     >>> recipe.epsilon <= 8.0, recipe.l2_norm_clip
     (True, 0.1)
     >>> round(recipe.noise_learning_rate_factor, 2)
@@ -62,6 +62,7 @@ import warnings
 from keras_dp_lm.accounting import calibration
 from keras_dp_lm.accounting import epsilon as epsilon_lib
 from keras_dp_lm.accounting.events import dp_sgd_event
+from keras_dp_lm.accounting.overflow import suggest_max_batch_size
 
 __all__ = ["DPRecipe", "suggest_recipe"]
 
@@ -83,8 +84,9 @@ class DPRecipe:
         l2_norm_clip: C.
         learning_rate: for Adam / AdamW: the non-private rate scaled for the
             batch, times ``noise_learning_rate_factor``.
-        gradient_accumulation_steps: micro-batches per logical batch
-            (``ceil(max_batch_size / micro_batch_size)`` of the padded batch).
+        gradient_accumulation_steps: micro-batches per logical batch,
+            ``ceil(max_batch_size() / micro_batch_size)``: the padded batch, so
+            no micro-batch is larger than ``micro_batch_size``.
         epsilon: the total epsilon that the recipe spends (PLD, training
             composed with ``extra_events``, at ``delta`` minus the overflow
             reserve), ``<= target_epsilon``.
@@ -169,8 +171,6 @@ class DPRecipe:
     def max_batch_size(self):
         """Padded batch cap: a draw above it over the whole run has probability at
         most ``overflow_probability``, whose delta the recipe reserved."""
-        from keras_dp_lm.data import suggest_max_batch_size
-
         return suggest_max_batch_size(self.dataset_size, self.sampling_rate, self.steps,
                                       max_overflow_probability=self.overflow_probability)
 
@@ -340,12 +340,16 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
                    f"{reference_batch_size} times {scale:.2f} (square-root batch scaling "
                    f"for Adam, at most {max_learning_rate_scale:g}x) times "
                    f"{noise_factor:.2f} ({noise_reason})")
+    overflow_probability = overflow_delta / (1.0 + math.exp(target_epsilon))
     accumulation = 1
     if micro_batch_size is not None:
         micro = _positive("micro_batch_size", micro_batch_size, integer=True)
-        accumulation = max(1, math.ceil(batch / micro))
+        cap = suggest_max_batch_size(n, q, steps,
+                                     max_overflow_probability=overflow_probability)
+        accumulation = max(1, math.ceil(cap / micro))
         reasons.append(f"{accumulation} micro-batches of at most {micro} per logical batch "
-                       "(gradient accumulation: same privacy, less memory)")
+                       f"padded to at most {cap} (gradient accumulation: same privacy, "
+                       "less memory)")
     reasons.append("chosen by fixed rules from the literature, not by tuning on the "
                    "private data, so choosing them spends no privacy; a sweep must run on "
                    "public or already-released data, or be accounted")
@@ -355,5 +359,4 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
         learning_rate=lr, gradient_accumulation_steps=accumulation, epsilon=spent,
         training_epsilon=training_eps, training_delta=training_delta,
         extra_events=extra_events, reasons=tuple(reasons),
-        overflow_probability=overflow_delta / (1.0 + math.exp(target_epsilon)),
-        noise_learning_rate_factor=noise_factor)
+        overflow_probability=overflow_probability, noise_learning_rate_factor=noise_factor)
