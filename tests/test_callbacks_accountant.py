@@ -91,6 +91,16 @@ def test_batch_epsilon_is_pld_bound_up_to_the_budget_stop(spe, accumulation):
     assert all(value < r for value, r in zip(logged, rdp) if value > 0)
 
 
+def test_last_batch_is_exact_when_steps_per_execution_does_not_divide_the_epoch():
+    # 8 steps per epoch in executions of 3: Keras reports the last one as batch 8.
+    model = make_model(spe=3)
+    accountant = PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=B,
+                                   sampling="poisson", verbose=0)
+    history, seen = fit_recording(model, accountant, epochs=2)
+    assert accountant.dp_updates == 16
+    check_batch_epsilons(history, seen)  # the last logged value is the exact one
+
+
 def test_batch_epsilon_composes_a_non_dominated_earlier_fit():
     # A first fit with less noise than the accountant of the second one
     # assumes: its ledger row is composed exactly (not dominated).

@@ -414,7 +414,9 @@ class PrivacyAccountant(keras.callbacks.Callback):
     def _last_planned_batch(self, batch):
         params = self.params or {}
         steps, epochs = params.get("steps"), params.get("epochs")
-        return bool(steps and epochs and self._epoch == epochs - 1 and batch == steps - 1)
+        # With steps_per_execution > 1 Keras numbers the last execution of an
+        # epoch past its end (8 steps in executions of 3: batch 8), hence >=.
+        return bool(steps and epochs and self._epoch == epochs - 1 and batch >= steps - 1)
 
     def _batch_epsilon(self, count, batch, final=False):
         rows = [row for row in self._rows() if row[3]]
@@ -485,7 +487,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         params = self.params or {}
         steps, epochs = params.get("steps"), params.get("epochs")
         if steps and epochs:
-            remaining = (epochs - 1 - self._epoch) * steps + (steps - 1 - batch)
+            remaining = (epochs - 1 - self._epoch) * steps + max(0, steps - 1 - batch)
             accumulation = int(self._config["gradient_accumulation_steps"] or 1)
             ends.append(n + remaining // accumulation)
         end = min(ends) if ends else None
