@@ -1,8 +1,11 @@
 """Shared helper: each benchmark owns one marked section of benchmarks/RESULTS.md."""
 
 import datetime
+import json
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -31,3 +34,16 @@ def write_section(name, markdown):
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     RESULTS.write_text(text)
+
+
+def run_worker(cmd, what):
+    """Run a benchmark worker process; return the JSON of its ``RESULT `` line.
+
+    On failure the worker's stderr tail is shown and ``RuntimeError`` names ``what``.
+    """
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    sys.stderr.write(proc.stderr[-4000:])
+    raise RuntimeError(f"{what} failed (exit {proc.returncode})")

@@ -21,11 +21,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _results import run_worker  # noqa: E402
 CONFIG = dict(num_layers=4, hidden_dim=256, num_heads=4, intermediate_dim=1024,
               vocabulary_size=8192, sequence_length=128)
 
@@ -167,28 +168,18 @@ def _worker_ab(batch, rounds):
 def _run_ab(batch, rounds):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "ab",
            "--batch", str(batch), "--steps", str(rounds)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-            print(f"  gradient A/B B={batch}: {result}", flush=True)
-            return result
-    sys.stderr.write(proc.stderr[-4000:])
-    raise RuntimeError(f"A/B worker failed (exit {proc.returncode})")
+    result = run_worker(cmd, "A/B worker")
+    print(f"  gradient A/B B={batch}: {result}", flush=True)
+    return result
 
 
 def _run(mode, batch, steps, warmup):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode,
            "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-            print(f"  {mode:10s} B={batch:3d}: median {result['median_s']:.3f} s/step, "
-                  f"peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
-            return result
-    sys.stderr.write(proc.stderr[-4000:])
-    raise RuntimeError(f"worker {mode} B={batch} failed (exit {proc.returncode})")
+    result = run_worker(cmd, f"worker {mode} B={batch}")
+    print(f"  {mode:10s} B={batch:3d}: median {result['median_s']:.3f} s/step, "
+          f"peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
+    return result
 
 
 def _fit_line(points):

@@ -13,6 +13,7 @@ factors folded into the smaller factor).
 
 import tensorflow as tf
 
+from keras_dp_lm.clipping._common import _in_xla
 from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _prod
 from keras_dp_lm.clipping._common import _static
@@ -251,6 +252,16 @@ class _Grams:
         return gram
 
 
+def _sorts_ids():
+    """Whether a lookup's own norm groups equal ids by sorting (O(T d)).
+
+    Not under XLA: there the sort and segment sum took ~7 s per step for
+    GPT-2's tied embedding (batch 32, T=128) on CPU, against milliseconds for
+    the ``T x T`` Gram matrix of the output gradients, which is used instead.
+    """
+    return not _in_xla()
+
+
 def _ghostable(a, b):
     if a.kind == "linear" and b.kind == "linear":
         return a.layout == b.layout
@@ -267,7 +278,9 @@ def _pair_cost(a, b):
         return (_or(a.H, 1) * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
                 * (_or(a.m, 1) + _or(a.n, 1) + 1))
     if a.kind == "lookup" and b.kind == "lookup":
-        if a is b:  # grouped by sorting the ids (see _Lookup.self_norm)
+        if a is b and a.distinct:
+            return _or(a.T, _DEFAULT_T) * _or(a.d, 1)
+        if a is b and _sorts_ids():  # grouped by sorting the ids (_Lookup.self_norm)
             return 4 * _or(a.T, _DEFAULT_T) * _or(a.d, 1)
         return _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T) * (_or(a.d, 1) + 1)
     lin, lk = (a, b) if a.kind == "linear" else (b, a)
@@ -278,7 +291,9 @@ def _pair_mem(a, b):
     """Floats per example of the Gram matrices a ghost pair needs."""
     if a.kind == "linear" and b.kind == "linear":
         return 2 * _or(a.H, 1) * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
-    if a is b and a.kind == "lookup":
+    if a is b and a.kind == "lookup" and a.distinct:
+        return 0
+    if a is b and a.kind == "lookup" and _sorts_ids():
         return 2 * _or(a.T, _DEFAULT_T) * _or(a.d, 1)
     return 2 * _or(a.T, _DEFAULT_T) * _or(b.T, _DEFAULT_T)
 
@@ -290,7 +305,7 @@ def _inner(a, b, grams):
         yy = grams.get(a.keys[1], a.Y, b.keys[1], b.Y)
         return tf.reduce_sum(xx * yy, axis=[1, 2, 3])
     if a.kind == "lookup" and b.kind == "lookup":
-        if a is b:
+        if a is b and (a.distinct or _sorts_ids()):
             return a.self_norm()
         same = tf.cast(tf.equal(a.ids[:, :, None], b.ids[:, None, :]), a.G.dtype)
         return tf.reduce_sum(same * tf.matmul(a.G, b.G, transpose_b=True), axis=[1, 2])
