@@ -12,11 +12,13 @@ the corpus has not been fetched), and models are randomly initialised.
   :func:`save_tiny_llama_preset` do the same for a tiny ``LlamaCausalLM``.
 
 Example:
-    >>> from keras_dp_lm import testing                        # doctest: +SKIP
-    >>> lm = testing.tiny_gpt2_causal_lm(vocabulary_size=512)  # doctest: +SKIP
-    >>> testing.save_tiny_gpt2_preset("/tmp/tiny_gpt2")        # doctest: +SKIP
-    >>> import keras_hub                                       # doctest: +SKIP
-    >>> keras_hub.models.GPT2CausalLM.from_preset("/tmp/tiny_gpt2")  # doctest: +SKIP
+    >>> import tempfile, keras_hub
+    >>> from keras_dp_lm import testing
+    >>> preset = tempfile.mkdtemp()
+    >>> saved = testing.save_tiny_gpt2_preset(preset, vocabulary_size=300)
+    >>> lm = keras_hub.models.GPT2CausalLM.from_preset(preset)
+    >>> lm.backbone.vocabulary_size == saved.backbone.vocabulary_size
+    True
 
 Seeding: weights are initialised from ``seed`` inside a scope that saves and
 restores Python's ``random`` state and Keras's global seed generator, so
