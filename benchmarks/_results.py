@@ -47,3 +47,15 @@ def run_worker(cmd, what):
             return json.loads(line[len("RESULT "):])
     sys.stderr.write(proc.stderr[-4000:])
     raise RuntimeError(f"{what} failed (exit {proc.returncode})")
+
+
+def random_token_batch(batch, length, vocabulary_size, seed=0):
+    """``(ids [batch, length + 1], mask)``: random token ids and a padding mask whose
+    real lengths are uniform in ``[length // 2, length + 1]`` (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocabulary_size, (batch, length + 1)).astype("int32")
+    lengths = rng.integers(length // 2, length + 2, batch)
+    mask = (np.arange(length + 1)[None, :] < lengths[:, None]).astype("int32")
+    return ids, mask

@@ -26,6 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _results import random_token_batch  # noqa: E402
 from _results import run_worker  # noqa: E402
 CONFIG = dict(num_layers=4, hidden_dim=256, num_heads=4, intermediate_dim=1024,
               vocabulary_size=8192, sequence_length=128)
@@ -38,7 +39,6 @@ CONFIG = dict(num_layers=4, hidden_dim=256, num_heads=4, intermediate_dim=1024,
 def _gpt2_and_tokens(batch):
     """The benchmark model (seeded) and a batch of random ``[B, T + 1]`` token ids
     with a random-length padding mask."""
-    import numpy as np
     import keras
     import keras_hub
 
@@ -49,10 +49,7 @@ def _gpt2_and_tokens(batch):
         num_heads=CONFIG["num_heads"], hidden_dim=CONFIG["hidden_dim"],
         intermediate_dim=CONFIG["intermediate_dim"], max_sequence_length=T)
     lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, CONFIG["vocabulary_size"], (batch, T + 1)).astype("int32")
-    lengths = rng.integers(T // 2, T + 2, batch)
-    mask = (np.arange(T + 1)[None, :] < lengths[:, None]).astype("int32")
+    ids, mask = random_token_batch(batch, T, CONFIG["vocabulary_size"])
     return lm, ids, mask
 
 

@@ -34,6 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _results import random_token_batch  # noqa: E402
 from _results import run_worker  # noqa: E402
 ROOT = os.path.dirname(HERE)
 CONFIGS = [  # (model, batch, jit_compile)
@@ -46,29 +47,22 @@ def _model_and_batch(model, batch):
     """A seeded KerasHub causal LM and one batch ``(x, y, sample_weight)``."""
     import keras
     import keras_hub
-    import numpy as np
 
-    keras.utils.set_random_seed(0)
-    if model == "gpt2":
-        T, V = 128, 8192
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=V, num_layers=4, num_heads=4, hidden_dim=256,
-            intermediate_dim=1024, max_sequence_length=T)
-        lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    if model == "gpt2":  # bench_clipping.py's model and tokens
+        from bench_clipping import _gpt2_and_tokens
+
+        lm, ids, mask = _gpt2_and_tokens(batch)
     elif model == "demo":
         sys.path.insert(0, ROOT)
         from demo.run import MODEL_SIZES
 
-        T, V = 48, 512
-        backbone = keras_hub.models.LlamaBackbone(vocabulary_size=V, dropout=0.0,
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.LlamaBackbone(vocabulary_size=512, dropout=0.0,
                                                   **MODEL_SIZES["tiny"])
         lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        ids, mask = random_token_batch(batch, 48, 512)
     else:
         raise ValueError(f"unknown model {model!r}")
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, V, (batch, T + 1)).astype("int32")
-    lengths = rng.integers(T // 2, T + 2, batch)
-    mask = (np.arange(T + 1)[None, :] < lengths[:, None]).astype("int32")
     x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
     return lm, (x, ids[:, 1:], mask[:, 1:].astype("float32"))
 

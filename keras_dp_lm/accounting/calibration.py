@@ -20,6 +20,10 @@ from keras_dp_lm.accounting.events import as_event
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import make_accountant
 
+class _UnreachableTarget(ValueError):
+    """No noise multiplier up to ``MAX_NOISE`` meets the target epsilon."""
+
+
 # The fast PLD curve agrees with the accountant to ~1e-8 relative; the search
 # aims this much below the target so that the final check passes at once.
 _SEARCH_MARGIN = 1e-6
@@ -113,9 +117,9 @@ def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
             slope = _log_slope(points)
             sigma = _smallest_noise_within(curve_eps(), target_epsilon * (1 - _SEARCH_MARGIN),
                                            start, rtol / 2, slope=slope)
-        except (ArithmeticError, MemoryError, ValueError) as error:
-            if "not reachable" in str(error):
-                raise
+        except _UnreachableTarget:
+            raise
+        except (ArithmeticError, MemoryError, ValueError):
             # The fast curves failed at an extreme probe (e.g. a tiny sigma whose
             # PLD does not fit in memory): dp_accounting's own solver below.
             start, sigma = 1.0, None
@@ -126,7 +130,7 @@ def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
         while eps(hi) > target_epsilon:
             hi *= 2.0
             if hi > MAX_NOISE:
-                raise ValueError(
+                raise _UnreachableTarget(
                     f"target_epsilon={target_epsilon} is not reachable with a "
                     f"noise multiplier below {MAX_NOISE:g}.")
         lo = hi * 0.5
@@ -177,7 +181,7 @@ def _smallest_noise_within(eps, target, start, rtol, max_evals=40, slope=None, p
     def probe(x):
         nonlocal lo, hi
         if x > MAX_NOISE:
-            raise ValueError(f"target_epsilon={target} is not reachable with a "
+            raise _UnreachableTarget(f"target_epsilon={target} is not reachable with a "
                              f"noise multiplier below {MAX_NOISE:g}.")
         value = eps(x)
         points.append((x, value))

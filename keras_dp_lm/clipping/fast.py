@@ -71,9 +71,6 @@ from keras_dp_lm.clipping._common import _weighted_sum
 from keras_dp_lm.clipping.exact import _tf_variable
 from keras_dp_lm.clipping.exact import per_example_gradients
 from keras_dp_lm.clipping.ghost import _Grams
-from keras_dp_lm.clipping.ghost import _Linear
-from keras_dp_lm.clipping.ghost import _Lookup
-from keras_dp_lm.clipping.ghost import _PerExample
 from keras_dp_lm.clipping.ghost import _choose
 from keras_dp_lm.clipping.ghost import _merge_lookups
 from keras_dp_lm.clipping.ghost import _sq_norm
@@ -88,10 +85,6 @@ from keras_dp_lm.clipping.recording import _recording
 
 _LAST_DECISIONS = weakref.WeakKeyDictionary()
 _LAST_REASONS = weakref.WeakKeyDictionary()
-
-
-def _builtin(contrib):
-    return isinstance(contrib, (_Linear, _Lookup, _PerExample))
 
 
 def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None):
@@ -216,7 +209,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
             elif id(v) in by_var:
                 g = None
                 for c in by_var[id(v)]:
-                    part = c.clipped(factors, safe) if _builtin(c) else c.clipped(factors)
+                    part = c.clipped(factors, safe)
                     g = part if g is None else g + part
                 grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
             else:

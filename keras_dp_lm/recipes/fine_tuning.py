@@ -207,7 +207,7 @@ def _noise_learning_rate_factor(sigma, batch, num_parameters, alignment, cap):
     alignment = _positive("gradient_alignment", alignment)
     cap = _positive("max_noise_learning_rate_scale", cap)
     ratio = sigma * math.sqrt(d) / (alignment * batch)
-    factor = min(cap, max(1.0, math.sqrt(1.0 + ratio * ratio)))
+    factor = min(cap, math.sqrt(1.0 + ratio * ratio))
     return factor, (f"the noise factor sqrt(1 + r^2), at most {cap:g}: Adam divides by the "
                     f"root of a second moment the DP noise inflates; r = sigma sqrt(d) / "
                     f"(kappa B) = {ratio:.3g} for d = {d} trainable parameters and kappa "
