@@ -16,13 +16,18 @@ Models:
   vocabulary 512, sequence 48, at the demo's batch sizes (64; 512; 1037, the
   demo recipe's padded cap);
 * ``gpt2``: KerasHub GPT-2 4 layers x 256, vocabulary 8192, sequence 128, batch 32
-  (the model of ``bench_clipping.py``).
+  (the model of ``bench_clipping.py``);
+* ``gpt2`` with LoRA (issue 16): the same model after ``backbone.enable_lora(8)``
+  (query / value adapters and their layers' biases trainable, everything else
+  frozen), DP LoRA against non-private LoRA; these rows also measure peak RSS,
+  each side in its own process (``ru_maxrss`` after the warm-up and rounds).
 
 oneDNN is left as TensorFlow sets it (on unless ``TF_ENABLE_ONEDNN_OPTS=0``); the
 section states which.
 
     .venv/bin/python benchmarks/bench_dp_step.py            # all rows, writes RESULTS.md
     .venv/bin/python benchmarks/bench_dp_step.py --quick    # 2 rows, 2 rounds, no file
+    .venv/bin/python benchmarks/bench_dp_step.py --lora 8   # the LoRA rows only, no file
 """
 
 import argparse
@@ -37,13 +42,14 @@ sys.path.insert(0, HERE)
 from _results import random_token_batch  # noqa: E402
 from _results import run_worker  # noqa: E402
 ROOT = os.path.dirname(HERE)
-CONFIGS = [  # (model, batch, jit_compile)
-    ("demo", 64, False), ("demo", 512, False), ("demo", 1037, False), ("demo", 512, True),
-    ("gpt2", 32, False), ("gpt2", 32, True),
+CONFIGS = [  # (model, batch, jit_compile, LoRA rank or 0)
+    ("demo", 64, False, 0), ("demo", 512, False, 0), ("demo", 1037, False, 0),
+    ("demo", 512, True, 0), ("gpt2", 32, False, 0), ("gpt2", 32, True, 0),
+    ("gpt2", 32, False, 8), ("gpt2", 32, True, 8),
 ]
 
 
-def _model_and_batch(model, batch):
+def _model_and_batch(model, batch, lora=0):
     """A seeded KerasHub causal LM and one batch ``(x, y, sample_weight)``."""
     import keras
     import keras_hub
@@ -63,18 +69,20 @@ def _model_and_batch(model, batch):
         ids, mask = random_token_batch(batch, 48, 512)
     else:
         raise ValueError(f"unknown model {model!r}")
+    if lora:
+        lm.backbone.enable_lora(lora)
     x = {"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}
     return lm, (x, ids[:, 1:], mask[:, 1:].astype("float32"))
 
 
-def _train_step(model, batch, jit, private):
+def _train_step(model, batch, jit, private, lora=0):
     """A zero-argument callable running one compiled train step."""
     import keras
     import tensorflow as tf
 
     import keras_dp_lm as kdp
 
-    lm, data = _model_and_batch(model, batch)
+    lm, data = _model_and_batch(model, batch, lora)
     if private:
         optimizer = kdp.DPAdam(1e-4, l2_norm_clip=0.1, noise_multiplier=1.0,
                                clipping="fast", expected_batch_size=float(batch), seed=0)
@@ -88,10 +96,14 @@ def _train_step(model, batch, jit, private):
     return lambda: lm.train_function(iter([tensors]))
 
 
-def _worker(model, batch, jit, rounds, warmup):
+def _worker(model, batch, jit, rounds, warmup, lora, only=None):
+    """Alternate the two steps (or run ``only`` one, for its peak RSS)."""
+    import resource
+
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    steps = {"nonprivate": _train_step(model, batch, jit, False),
-             "dp": _train_step(model, batch, jit, True)}
+    sides = [only] if only else ["nonprivate", "dp"]
+    steps = {name: _train_step(model, batch, jit, name == "dp", lora) for name in sides}
+    built_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     first = {}
     for name, step in steps.items():
         start = time.perf_counter()
@@ -106,23 +118,35 @@ def _worker(model, batch, jit, rounds, warmup):
             step()
             cpu[name].append(time.process_time() - c0)
             wall[name].append(time.perf_counter() - w0)
-    ratios = [d / n for d, n in zip(cpu["dp"], cpu["nonprivate"])]
-    print("RESULT " + json.dumps(dict(
-        model=model, batch=batch, jit=jit, rounds=rounds, warmup_s=first,
-        cpu_s={k: statistics.median(v) for k, v in cpu.items()},
-        wall_s={k: statistics.median(v) for k, v in wall.items()},
-        ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))),
-        flush=True)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    out = dict(model=model, batch=batch, jit=jit, lora=lora, rounds=rounds, warmup_s=first,
+               cpu_s={k: statistics.median(v) for k, v in cpu.items()},
+               wall_s={k: statistics.median(v) for k, v in wall.items()},
+               peak_rss_mb=peak_mb, rss_after_build_mb=built_mb)
+    if not only:
+        ratios = [d / n for d, n in zip(cpu["dp"], cpu["nonprivate"])]
+        out.update(ratio=statistics.median(ratios), ratio_min=min(ratios),
+                   ratio_max=max(ratios))
+    print("RESULT " + json.dumps(out), flush=True)
 
 
-def _run(model, batch, jit, rounds, warmup):
+def _run(model, batch, jit, lora, rounds, warmup):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model, "--batch",
-           str(batch), "--rounds", str(rounds), "--warmup", str(warmup)] + (
-               ["--jit"] if jit else [])
-    result = run_worker(cmd, f"worker {model} B={batch} jit={jit}")
-    print(f"  {model} B={batch} jit={jit}: DP / non-private CPU {result['ratio']:.2f}x",
-          flush=True)
+           str(batch), "--rounds", str(rounds), "--warmup", str(warmup),
+           "--lora", str(lora)] + (["--jit"] if jit else [])
+    what = f"worker {model} B={batch} jit={jit} lora={lora}"
+    result = run_worker(cmd, what)
+    line = f"  {model} B={batch} jit={jit} lora={lora}: DP / non-private CPU {result['ratio']:.2f}x"
+    if lora:   # peak memory, each side alone in its own process
+        result["peak"] = {side: run_worker(cmd + ["--only", side], f"{what} {side}")
+                          for side in ("nonprivate", "dp")}
+        line += f", peak RSS {_peak_ratio(result):.2f}x"
+    print(line, flush=True)
     return result
+
+
+def _peak_ratio(result):
+    return result["peak"]["dp"]["peak_rss_mb"] / result["peak"]["nonprivate"]["peak_rss_mb"]
 
 
 def main():
@@ -130,37 +154,46 @@ def main():
     parser.add_argument("--worker", choices=["demo", "gpt2"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--jit", action="store_true")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: no LoRA)")
+    parser.add_argument("--only", choices=["nonprivate", "dp"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true",
                         help="two rows, two rounds, do not write RESULTS.md")
     args = parser.parse_args()
     if args.worker:
-        _worker(args.worker, args.batch, args.jit, args.rounds, args.warmup)
+        _worker(args.worker, args.batch, args.jit, args.rounds, args.warmup, args.lora,
+                args.only)
         return
 
     configs = CONFIGS[:1] + CONFIGS[4:5] if args.quick else CONFIGS
+    if args.lora:   # only the LoRA rows, at this rank (no file written)
+        configs = [(m, b, j, args.lora) for m, b, j, lora in CONFIGS if lora]
     rounds = 2 if args.quick else args.rounds
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() not in ("0", "false")
     load_before = os.getloadavg()
-    results = [_run(m, b, j, rounds, args.warmup) for m, b, j in configs]
+    results = [_run(m, b, j, lora, rounds, args.warmup) for m, b, j, lora in configs]
     load_after = os.getloadavg()
-    if args.quick:
+    if args.quick or args.lora:
         return
-    targets = {"demo": 1.3, "gpt2": 1.10}
+    targets = {"demo": 1.3, "gpt2": 1.10, "lora": 1.15}
     rows = []
     for r in results:
-        target = targets[r["model"]]
+        target = targets["lora" if r["lora"] else r["model"]]
+        model = f"{r['model']} LoRA r={r['lora']}" if r["lora"] else r["model"]
+        memory = (f"{_peak_ratio(r):.2f}x ({r['peak']['nonprivate']['peak_rss_mb']:.0f} / "
+                  f"{r['peak']['dp']['peak_rss_mb']:.0f} MB), <= 1.1x "
+                  f"{'met' if _peak_ratio(r) <= 1.10 else 'NOT met'}" if r["lora"] else "")
         rows.append(
-            f"| {r['model']} | {r['batch']} | {'XLA' if r['jit'] else 'no'} | "
+            f"| {model} | {r['batch']} | {'XLA' if r['jit'] else 'no'} | "
             f"{r['cpu_s']['nonprivate']:.3f} | {r['cpu_s']['dp']:.3f} | "
             f"**{r['ratio']:.2f}x** ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
             f"{r['wall_s']['dp'] / r['wall_s']['nonprivate']:.2f}x | "
-            f"<= {target:g}x {'met' if r['ratio'] <= target else 'NOT met'} |")
+            f"<= {target:g}x {'met' if r['ratio'] <= target else 'NOT met'} | {memory} |")
     from _results import machine_line
     from _results import write_section
 
-    md = f"""## DP train step vs non-private, per model size and with XLA (issue 15)
+    md = f"""## DP train step vs non-private, per model size, with XLA and with LoRA (issues 15, 16)
 
 - machine: {machine_line()}; 1-min load {load_before[0]:.1f} before, {load_after[0]:.1f} after
 - oneDNN: {'on (TensorFlow default)' if onednn else 'off (TF_ENABLE_ONEDNN_OPTS=0)'}
@@ -171,10 +204,12 @@ def main():
   each, then {rounds} rounds; ratio = median over rounds of DP / non-private process CPU
   time (min-max over rounds in brackets); every slot a real example
 - demo = the demo's `tiny` Llama (2 x 64, vocabulary 512, sequence 48); gpt2 = GPT-2
-  4 x 256, vocabulary 8192, sequence 128
+  4 x 256, vocabulary 8192, sequence 128; LoRA rows: `backbone.enable_lora(8)`, DP LoRA
+  vs non-private LoRA (targets: time <= 1.15x, peak RSS <= 1.10x, each side's peak RSS
+  measured alone in its own process)
 
-| model | batch | XLA | non-private CPU s/step | DP CPU s/step | DP / non-private CPU | wall ratio | target |
-|---|---:|---|---:|---:|---:|---:|---|
+| model | batch | XLA | non-private CPU s/step | DP CPU s/step | DP / non-private CPU | wall ratio | target | LoRA peak RSS DP / non-private |
+|---|---:|---|---:|---:|---:|---:|---|---|
 {chr(10).join(rows)}
 """
     write_section("dp_step", md)

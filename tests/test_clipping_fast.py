@@ -237,6 +237,132 @@ def test_llama_causal_lm(tied):
 
 
 # ---------------------------------------------------------------------------
+# LoRA adapters (Keras's own enable_lora): fast and exact, frozen bases cost nothing
+
+
+def _nonzero_lora_b(model, seed):
+    """LoRA's B starts at zero (so A's gradient is 0): move it off zero."""
+    rng = np.random.default_rng(seed)
+    for v in model.trainable_variables:
+        if v.path.endswith(("lora_kernel_b", "lora_embeddings_b")):
+            v.assign(rng.normal(scale=0.3, size=v.shape).astype("float32"))
+
+
+def _assert_lora_fast(model):
+    coverage = fc.clipping_coverage(model)
+    lora = [p for p in coverage if "lora_" in p]
+    assert lora and "exact" not in coverage.values(), coverage
+    frozen = [v.path for v in model.non_trainable_variables]
+    assert not any(p in coverage for p in frozen)
+    return coverage
+
+
+@pytest.mark.parametrize("force", ["ghost", "instantiate"], indirect=True)
+def test_lora_dense_einsum_embedding(force):
+    """All three Keras LoRA layers, sequence inputs, repeated ids, bias still trained."""
+    rng = np.random.default_rng(11)
+    ids_in = keras.Input((7,), dtype="int32")
+    emb = keras.layers.Embedding(9, 8)
+    dense = keras.layers.Dense(6, activation="tanh")
+    einsum = keras.layers.EinsumDense("abc,cde->abde", output_shape=(7, 2, 3), bias_axes="de")
+    hidden = einsum(dense(emb(ids_in)))
+    out = keras.layers.Dense(3)(keras.layers.Flatten()(hidden))
+    model = keras.Model(ids_in, out)
+    for layer, rank in ((emb, 2), (dense, 3), (einsum, 2)):
+        layer.enable_lora(rank, lora_alpha=2 * rank)
+    _nonzero_lora_b(model, 0)
+    ids = rng.integers(0, 9, (5, 7)).astype("int32")
+    ids[0, :3] = 4
+    assert_matches(model, classification_loss(model), (ids, rng.integers(0, 3, 5)),
+                   method="fast")
+    coverage = _assert_lora_fast(model)
+    assert coverage["embedding/lora_embeddings_a"] == force
+    assert "embedding/embeddings" not in coverage and "dense/kernel" not in coverage
+
+
+def test_lora_frozen_base_made_trainable_again_is_exact():
+    """Full fine-tuning plus adapters: the base kernel's contribution is recorded too."""
+    rng = np.random.default_rng(12)
+    dense = keras.layers.Dense(4)
+    model = keras.Sequential([keras.Input((6, 5)), dense, keras.layers.Flatten(),
+                              keras.layers.Dense(2)])
+    dense.enable_lora(2)
+    dense._kernel.trainable = True
+    _nonzero_lora_b(model, 1)
+    assert_matches(model, classification_loss(model),
+                   (rng.normal(size=(4, 6, 5)).astype("float32"), rng.integers(0, 2, 4)),
+                   method="fast")
+
+
+def _lora_tokens(rng, vocab):
+    ids, mask = padded_tokens(rng, 4, 10, vocab)
+    ids[0, :4] = ids[0, 4:8]
+    return tf.constant(ids), tf.constant(mask)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_lora_keras_hub_causal_lm_eager_graph_xla(arch):
+    rng = np.random.default_rng(13)
+    if arch == "gpt2":
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=80, num_layers=2, num_heads=2, hidden_dim=16,
+            intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+        lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    else:
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=80, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+            hidden_dim=16, intermediate_dim=32)
+        lm = keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+    backbone.enable_lora(4)
+    _nonzero_lora_b(lm, 2)
+    data = _lora_tokens(rng, 80)
+
+    def loss_fn(data):
+        return token_loss(lm, *data)
+
+    assert_matches(lm, loss_fn, data, method="fast")
+    xla = tf.function(lambda m, f, d, c, method: fc.fast_clipped_sum(m, f, d, c, method=method),
+                      jit_compile=True)
+    assert_matches(lm, loss_fn, data, fn=xla, method="fast")
+    coverage = _assert_lora_fast(lm)
+    assert all("lora_" in p or p.endswith("bias") for p in coverage), coverage
+
+
+def test_lora_bert_classifier():
+    rng = np.random.default_rng(14)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+    model = keras_hub.models.BertTextClassifier(
+        backbone, num_classes=2, preprocessor=None, dropout=0.0)
+    backbone.enable_lora(2)
+    _nonzero_lora_b(model, 3)
+    ids, mask = padded_tokens(rng, 4, 8, 50)
+    x = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
+    assert_matches(model, classification_loss(model), (x, rng.integers(0, 2, 4)),
+                   method="fast")
+    _assert_lora_fast(model)
+
+
+def test_lora_on_a_rule_without_lora_support_is_exact_with_the_reason():
+    class NoLoraRule:
+        matches = staticmethod(lambda layer: True)
+        variables = staticmethod(lambda layer: [layer._kernel])
+        forward = staticmethod(lambda layer, rec, x: x)
+        static_method = staticmethod(lambda layer, var, T, B: "ghost")
+
+    class PlainDense(keras.layers.Dense):
+        pass
+
+    fc.register_clipping_rule(PlainDense, NoLoraRule)
+    layer = PlainDense(2)
+    model = keras.Sequential([keras.Input((3,)), layer])
+    layer.enable_lora(1)
+    assert set(fc.clipping_coverage(model).values()) == {"exact"}
+    assert "does not describe LoRA" in fc.exact_reason(model, layer.lora_kernel_a)
+
+
+# ---------------------------------------------------------------------------
 # Uncovered layers, coverage report, restoration
 
 

@@ -73,10 +73,14 @@ def _var_path(v):
 
 
 def _plain(layer):
-    """No LoRA, no quantization, no per-instance ``call``: the class's computation."""
+    """No quantization, no per-instance ``call``: the class's computation
+    (LoRA adapters are matched by rules that declare ``lora = True``)."""
     return (getattr(layer, "quantization_mode", None) is None
-            and not getattr(layer, "lora_enabled", False)
             and "call" not in layer.__dict__)
+
+
+def _lora_enabled(layer):
+    return bool(getattr(layer, "lora_enabled", False))
 
 
 def _orig(layer):

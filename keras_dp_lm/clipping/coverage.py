@@ -3,6 +3,7 @@
 import collections
 
 from keras_dp_lm.clipping._common import _layer_desc
+from keras_dp_lm.clipping._common import _lora_enabled
 from keras_dp_lm.clipping._common import _plain
 from keras_dp_lm.clipping._common import _prod
 from keras_dp_lm.clipping._common import _static
@@ -61,7 +62,10 @@ def exact_reason(model, variable):
     if layer is None:
         return "not created by a layer"
     if not _plain(layer):
-        return "LoRA, quantized or per-instance call"
+        return "quantized or per-instance call"
+    rule = _RULES_BY_CLASS.get(type(layer))
+    if rule is not None and _lora_enabled(layer) and not getattr(rule, "lora", False):
+        return f"LoRA on {type(layer).__name__}: its rule does not describe LoRA adapters"
     if type(layer) not in _RULES_BY_CLASS:
         parents = [c.__name__ for c in type(layer).__mro__[1:] if c in _RULES_BY_CLASS]
         if parents:

@@ -3,6 +3,7 @@
 import keras
 
 from keras_dp_lm.clipping._common import _keras_hub_class
+from keras_dp_lm.clipping._common import _lora_enabled
 from keras_dp_lm.clipping._common import _plain
 from keras_dp_lm.clipping.rules.dense import _DenseRule
 from keras_dp_lm.clipping.rules.einsum_dense import _EinsumDenseRule
@@ -92,6 +93,8 @@ def _rule_for(layer):
     if not getattr(layer, "built", False) or not _plain(layer):
         return None
     rule = _RULES_BY_CLASS.get(type(layer))
+    if rule is not None and _lora_enabled(layer) and not getattr(rule, "lora", False):
+        return None   # the rule does not describe the LoRA computation
     try:
         return rule if rule is not None and rule.matches(layer) else None
     except AttributeError:

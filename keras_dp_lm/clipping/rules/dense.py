@@ -1,9 +1,10 @@
-"""Fast-clipping rule for ``keras.layers.Dense``."""
+"""Fast-clipping rule for ``keras.layers.Dense``, LoRA adapters included."""
 
 import tensorflow as tf
 from keras import ops
 
 from keras_dp_lm.clipping._common import _inbound_shape
+from keras_dp_lm.clipping._common import _lora_enabled
 from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _prod
 from keras_dp_lm.clipping._common import _reduce_to_shape
@@ -13,8 +14,38 @@ from keras_dp_lm.clipping.ghost import _PerExample
 from keras_dp_lm.clipping.ghost import _static_linear
 
 
+def _matmul_contribution(var, call, x):
+    """The contribution of ``var`` [din, dout] used as ``z = x @ var`` (``call`` watches z)."""
+    din, dout = (int(s) for s in var.shape)
+    T = _prod([_static(s) for s in x.shape[1:-1]])
+
+    def factors(g, x=x):
+        return (tf.reshape(x, [-1, 1, _or(T, -1), din]),
+                tf.reshape(tf.cast(g, x.dtype), [-1, 1, _or(T, -1), dout]))
+
+    def to_var(mat, batched):
+        return tf.reshape(mat, ([-1] if batched else []) + [din, dout])
+
+    return _Linear(var, call, factors, to_var, (1, din, T, dout),
+                   layout=("dense", din, dout), keys=(("dense-x", x.ref(), T, din), None))
+
+
+def _lora_scale(layer):
+    return layer.lora_alpha / layer.lora_rank
+
+
 class _DenseRule:
+    """``z = x @ W + b``; with LoRA ``z = x @ W + s (x @ A) @ B + b``.
+
+    Keras computes the LoRA output through the merged kernel
+    ``W + s A B``; the recording pass computes the same function factored
+    (``u = x @ A`` is watched, so ``A``'s per-example gradient is
+    ``x^T du`` and ``B``'s is ``(s u)^T dz``): two thin linear contributions,
+    and nothing at all for the frozen ``W``.
+    """
+
     name = "Dense"
+    lora = True
 
     @staticmethod
     def matches(layer):
@@ -22,29 +53,30 @@ class _DenseRule:
 
     @staticmethod
     def variables(layer):
-        return [v for v in (layer._kernel, layer.bias) if v is not None]
+        vs = [layer._kernel, layer.bias]
+        if _lora_enabled(layer):
+            vs += [layer.lora_kernel_a, layer.lora_kernel_b]
+        return [v for v in vs if v is not None]
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
-        z = ops.matmul(inputs, layer.kernel)
+        x = tf.convert_to_tensor(inputs)
+        if _lora_enabled(layer):
+            z = ops.matmul(x, layer._kernel)
+            u = ops.matmul(x, ops.cast(layer.lora_kernel_a, x.dtype))
+            call_u = rec.new_call(layer, u)
+            su = ops.multiply(u, ops.cast(_lora_scale(layer), u.dtype))
+            z = ops.add(z, ops.matmul(su, ops.cast(layer.lora_kernel_b, x.dtype)))
+        else:
+            z = ops.matmul(x, layer.kernel)
         if layer.bias is not None:
             z = ops.add(z, layer.bias)
         call = rec.new_call(layer, z)
         if call is not None:
-            x = tf.convert_to_tensor(inputs)
-            din, dout = (int(s) for s in layer._kernel.shape)
-            T = _prod([_static(s) for s in x.shape[1:-1]])
-
-            def factors(g, x=x):
-                return (tf.reshape(x, [-1, 1, _or(T, -1), din]),
-                        tf.reshape(tf.cast(g, x.dtype), [-1, 1, _or(T, -1), dout]))
-
-            def to_var(mat, batched):
-                return tf.reshape(mat, ([-1] if batched else []) + [din, dout])
-
-            rec.add(_Linear(layer._kernel, call, factors, to_var, (1, din, T, dout),
-                            layout=("dense", din, dout),
-                            keys=(("dense-x", x.ref(), T, din), None)))
+            rec.add(_matmul_contribution(layer._kernel, call, x))
+            if _lora_enabled(layer):
+                rec.add(_matmul_contribution(layer.lora_kernel_a, call_u, x))
+                rec.add(_matmul_contribution(layer.lora_kernel_b, call, su))
             if layer.bias is not None:
                 shape = tuple(int(s) for s in layer.bias.shape)
                 rec.add(_PerExample(layer.bias, call,

@@ -1,4 +1,4 @@
-"""Fast-clipping rule for ``keras.layers.EinsumDense`` (and so MultiHeadAttention)."""
+"""Fast-clipping rule for ``keras.layers.EinsumDense`` (and so MultiHeadAttention), LoRA included."""
 
 import string
 
@@ -6,6 +6,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_dp_lm.clipping._common import _inbound_shape
+from keras_dp_lm.clipping._common import _lora_enabled
 from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _prod
 from keras_dp_lm.clipping._common import _reduce_to_shape
@@ -15,14 +16,23 @@ from keras_dp_lm.clipping.ghost import _PerExample
 from keras_dp_lm.clipping.ghost import _static_linear
 
 
-def _einsum_parts(equation, input_rank):
-    """Split an EinsumDense equation into batch / shared / seq / in / out letters."""
-    equation = equation.replace(" ", "")
+def _split(equation):
+    """``(input, kernel, output)`` letters of a two-operand equation, or None."""
     try:
-        lhs, out = equation.split("->")
+        lhs, out = equation.replace(" ", "").split("->")
         inp, ker = lhs.split(",")
     except ValueError:
         return None
+    return inp, ker, out
+
+
+def _einsum_parts(equation, input_rank):
+    """Split an EinsumDense equation into batch / shared / seq / in / out letters."""
+    split = _split(equation)
+    if split is None:
+        return None
+    inp, ker, out = split
+    equation = equation.replace(" ", "")
     if "..." in ker:
         return None
     if "..." in inp:
@@ -48,8 +58,75 @@ def _einsum_parts(equation, input_rank):
     return dict(inp=inp, ker=ker, out=out, b=b, shared=shared, ins=ins, outs=outs, seq=seq)
 
 
+def _einsum_contribution(rec, var, call, x, equation):
+    """Add the contribution of ``var`` used as ``z = einsum(equation, x, var)``
+    (``call`` watches z), or mark it bad when the equation has no linear form."""
+    p = _einsum_parts(equation, x.shape.rank)
+    kshape = [int(s) for s in var.shape]
+    if p is None:
+        rec.mark_bad(var, f"einsum equation {equation!r}")
+        return
+    size = dict(zip(p["ker"], kshape))
+    sh = [size[c] for c in p["shared"]]
+    ins = [size[c] for c in p["ins"]]
+    outs = [size[c] for c in p["outs"]]
+    H, m, n = _prod(sh), _prod(ins), _prod(outs)
+    pos = dict(zip(p["inp"], x.shape))
+    T = _prod([_static(pos[c]) for c in p["seq"]])
+    xs = f"{p['inp']}->{p['b']}{''.join(p['shared'] + p['seq'] + p['ins'])}"
+    ys = f"{p['out']}->{p['b']}{''.join(p['shared'] + p['seq'] + p['outs'])}"
+    order = p["shared"] + p["ins"] + p["outs"]
+    perm = [order.index(c) for c in p["ker"]]
+
+    def factors(g, x=x):
+        X = tf.einsum(xs, x) if xs.split("->")[0] != xs.split("->")[1] else x
+        Y = tf.cast(g, x.dtype)
+        Y = tf.einsum(ys, Y) if ys.split("->")[0] != ys.split("->")[1] else Y
+        return (tf.reshape(X, [-1, H, _or(T, -1), m]),
+                tf.reshape(Y, [-1, H, _or(T, -1), n]))
+
+    def to_var(mat, batched):
+        lead = [-1] if batched else []
+        mat = tf.reshape(mat, lead + sh + ins + outs)
+        if perm != sorted(perm):
+            mat = tf.transpose(mat, ([0] + [1 + q for q in perm]) if batched else perm)
+        return mat
+
+    rec.add(_Linear(var, call, factors, to_var, (H, m, T, n),
+                    layout=("einsum", equation, tuple(kshape)),
+                    keys=(("einsum-x", x.ref(), xs, H, T, m), None)))
+
+
+def _lora_equations(equation):
+    """``(eq_a, eq_b)`` with ``einsum(equation, x, A @ B) ==
+    einsum(eq_b, einsum(eq_a, x, A), B)``, or None.
+
+    Keras's LoRA kernel is ``A @ B`` with ``A`` the kernel's shape but a rank
+    ``r`` last axis and ``B`` ``[r, last]``; the factorisation needs the
+    kernel's last letter to be an output letter only (as in every attention
+    and feed-forward projection).
+    """
+    split = _split(equation)
+    if split is None:
+        return None
+    inp, ker, out = split
+    eq = equation.replace(" ", "")
+    last = ker[-1:]
+    if not last or last == "." or last in inp or last not in out:
+        return None
+    r = next(c for c in string.ascii_letters if c not in eq)
+    out_a = out.replace(last, r)
+    return f"{inp},{ker[:-1]}{r}->{out_a}", f"{out_a},{r}{last}->{out}"
+
+
 class _EinsumDenseRule:
+    """``z = einsum(eq, x, W) + b``; with LoRA ``einsum(eq, x, W)`` plus
+    ``einsum(eq_b, s einsum(eq_a, x, A), B)`` (the same function as Keras's
+    merged kernel ``W + s A B``, factored so the adapters are two thin linear
+    contributions and the frozen ``W`` none)."""
+
     name = "EinsumDense"
+    lora = True
 
     @staticmethod
     def matches(layer):
@@ -57,50 +134,37 @@ class _EinsumDenseRule:
 
     @staticmethod
     def variables(layer):
-        return [v for v in (layer._kernel, layer.bias) if v is not None]
+        vs = [layer._kernel, layer.bias]
+        if _lora_enabled(layer):
+            vs += [layer.lora_kernel_a, layer.lora_kernel_b]
+        return [v for v in vs if v is not None]
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
-        z = ops.einsum(layer.equation, inputs, layer.kernel)
+        x = tf.convert_to_tensor(inputs)
+        lora = _lora_enabled(layer)
+        eqs = _lora_equations(layer.equation) if lora else None
+        if lora and eqs is None:
+            z = ops.einsum(layer.equation, x, layer.kernel)   # Keras's merged kernel
+        elif lora:
+            z = ops.einsum(layer.equation, x, layer._kernel)
+            u = ops.einsum(eqs[0], x, ops.cast(layer.lora_kernel_a, x.dtype))
+            call_u = rec.new_call(layer, u)
+            su = ops.multiply(u, ops.cast(layer.lora_alpha / layer.lora_rank, u.dtype))
+            z = ops.add(z, ops.einsum(eqs[1], su, ops.cast(layer.lora_kernel_b, x.dtype)))
+        else:
+            z = ops.einsum(layer.equation, x, layer.kernel)
         if layer.bias is not None:
             z = ops.add(z, layer.bias)
         call = rec.new_call(layer, z)
         if call is not None:
-            x = tf.convert_to_tensor(inputs)
-            p = _einsum_parts(layer.equation, x.shape.rank)
-            kshape = [int(s) for s in layer._kernel.shape]
-            if p is None:
-                rec.mark_bad(layer._kernel, f"einsum equation {layer.equation!r}")
-            else:
-                size = dict(zip(p["ker"], kshape))
-                sh = [size[c] for c in p["shared"]]
-                ins = [size[c] for c in p["ins"]]
-                outs = [size[c] for c in p["outs"]]
-                H, m, n = _prod(sh), _prod(ins), _prod(outs)
-                pos = dict(zip(p["inp"], x.shape))
-                T = _prod([_static(pos[c]) for c in p["seq"]])
-                xs = f"{p['inp']}->{p['b']}{''.join(p['shared'] + p['seq'] + p['ins'])}"
-                ys = f"{p['out']}->{p['b']}{''.join(p['shared'] + p['seq'] + p['outs'])}"
-                order = p["shared"] + p["ins"] + p["outs"]
-                perm = [order.index(c) for c in p["ker"]]
-
-                def factors(g, x=x):
-                    X = tf.einsum(xs, x) if xs.split("->")[0] != xs.split("->")[1] else x
-                    Y = tf.cast(g, x.dtype)
-                    Y = tf.einsum(ys, Y) if ys.split("->")[0] != ys.split("->")[1] else Y
-                    return (tf.reshape(X, [-1, H, _or(T, -1), m]),
-                            tf.reshape(Y, [-1, H, _or(T, -1), n]))
-
-                def to_var(mat, batched):
-                    lead = [-1] if batched else []
-                    mat = tf.reshape(mat, lead + sh + ins + outs)
-                    if perm != sorted(perm):
-                        mat = tf.transpose(mat, ([0] + [1 + q for q in perm]) if batched else perm)
-                    return mat
-
-                rec.add(_Linear(layer._kernel, call, factors, to_var, (H, m, T, n),
-                                layout=("einsum", layer.equation, tuple(kshape)),
-                                keys=(("einsum-x", x.ref(), xs, H, T, m), None)))
+            _einsum_contribution(rec, layer._kernel, call, x, layer.equation)
+            if lora and eqs is None:
+                for v in (layer.lora_kernel_a, layer.lora_kernel_b):
+                    rec.mark_bad(v, f"LoRA on einsum equation {layer.equation!r}")
+            elif lora:
+                _einsum_contribution(rec, layer.lora_kernel_a, call_u, x, eqs[0])
+                _einsum_contribution(rec, layer.lora_kernel_b, call, su, eqs[1])
             if layer.bias is not None:
                 shape = tuple(int(s) for s in layer.bias.shape)
                 if z.shape.rank - len(shape) < 1:
@@ -121,11 +185,28 @@ class _EinsumDenseRule:
         p = _einsum_parts(layer.equation, rank)
         if p is None:
             return "exact"
+        # Letter sizes: the kernel's, and the input's where static.
+        sizes = dict(zip(p["ker"], (int(s) for s in layer._kernel.shape)))
         if shape is not None:
-            known = _prod([_static(shape[p["inp"].index(c)]) for c in p["seq"]])
-            T = known if known is not None else T
-        size = dict(zip(p["ker"], (int(s) for s in var.shape)))
-        H = _prod([size[c] for c in p["shared"]])
-        m = _prod([size[c] for c in p["ins"]])
-        n = _prod([size[c] for c in p["outs"]])
-        return _static_linear(H, m, n, T if p["seq"] else 1, B)
+            sizes.update({c: _static(d) for c, d in zip(p["inp"], shape) if c not in sizes})
+        equation, in_letters = layer.equation, p["inp"]
+        if var is not layer._kernel:   # a LoRA factor
+            eqs = _lora_equations(layer.equation)
+            if eqs is None:
+                return "exact"
+            r = eqs[0].split(",")[1].split("->")[0][-1]
+            sizes[r] = int(layer.lora_rank)
+            if var is layer.lora_kernel_a:
+                equation = eqs[0]
+            else:
+                equation = eqs[1]
+                in_letters = p["out"].replace(p["ker"][-1], r)
+        q = _einsum_parts(equation, len(in_letters))
+        if q is None:
+            return "exact"
+        size = dict(zip(q["ker"], (int(s) for s in var.shape)))
+        H = _prod([size[c] for c in q["shared"]])
+        m = _prod([size[c] for c in q["ins"]])
+        n = _prod([size[c] for c in q["outs"]])
+        seq = _prod([_or(sizes.get(c), T) for c in q["seq"]]) if q["seq"] else 1
+        return _static_linear(H, m, n, seq, B)

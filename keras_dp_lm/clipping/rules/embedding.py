@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_dp_lm.clipping._common import _lora_enabled
 from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _orig
 from keras_dp_lm.clipping._common import _prod
@@ -11,12 +12,14 @@ from keras_dp_lm.clipping._common import _static
 from keras_dp_lm.clipping.ghost import _Linear
 from keras_dp_lm.clipping.ghost import _Lookup
 from keras_dp_lm.clipping.ghost import _static_linear
+from keras_dp_lm.clipping.rules.dense import _matmul_contribution
 
 
 class _EmbeddingRule:
     """keras Embedding and (keras / KerasHub) ReversibleEmbedding, tied or not."""
 
     name = "Embedding"
+    lora = True
 
     @staticmethod
     def matches(layer):
@@ -32,7 +35,29 @@ class _EmbeddingRule:
         vs = [layer._embeddings]
         if _EmbeddingRule._reversible(layer) and not layer.tie_weights:
             vs.append(layer.reverse_embeddings)
+        if _lora_enabled(layer):
+            vs += [layer.lora_embeddings_a, layer.lora_embeddings_b]
         return vs
+
+    @staticmethod
+    def _lora_lookup(layer, rec, inputs):
+        """``E[ids] + s A[ids] @ B`` (Keras's merged table, factored): lookups
+        of ``E`` and ``A`` (``A[ids]`` is watched) and a thin linear ``B``."""
+        ids = tf.convert_to_tensor(inputs)
+        if ids.dtype not in (tf.int32, tf.int64):
+            ids = tf.cast(ids, tf.int32)
+        dtype = layer.compute_dtype
+        a = ops.take(ops.cast(layer.lora_embeddings_a, dtype), ids, axis=0)
+        call_a = rec.new_call(layer, a)
+        sa = ops.multiply(a, ops.cast(layer.lora_alpha / layer.lora_rank, a.dtype))
+        z = ops.add(ops.cast(ops.take(layer._embeddings, ids, axis=0), dtype),
+                    ops.matmul(sa, ops.cast(layer.lora_embeddings_b, dtype)))
+        call = rec.new_call(layer, z)
+        if call is not None:
+            rec.add(_Lookup(layer._embeddings, call, ids))
+            rec.add(_Lookup(layer.lora_embeddings_a, call_a, ids))
+            rec.add(_matmul_contribution(layer.lora_embeddings_b, call, sa))
+        return z
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
@@ -40,6 +65,17 @@ class _EmbeddingRule:
         if _EmbeddingRule._reversible(layer):
             reverse = kwargs.pop("reverse", args[0] if args else False)
             args = ()
+        lora = _lora_enabled(layer)
+        if lora and (reverse or (_EmbeddingRule._reversible(layer) and layer.mask_zero)):
+            # Not factored here: the tied reverse projection through a LoRA
+            # table, and Keras masks set inside the call. Exact for the table.
+            rec.mark_layer_bad(layer, _EmbeddingRule,
+                               "LoRA ReversibleEmbedding used as a reverse projection "
+                               "or with mask_zero")
+            return _orig(layer)(inputs, *args, reverse=True, **kwargs) if reverse else \
+                _orig(layer)(inputs, *args, **kwargs)
+        if lora:
+            return _EmbeddingRule._lora_lookup(layer, rec, inputs)
         if not reverse:
             z = _orig(layer)(inputs, *args, **kwargs)
             call = rec.new_call(layer, z)
@@ -89,8 +125,10 @@ class _EmbeddingRule:
 
     @staticmethod
     def static_method(layer, var, T, B):
-        if var is layer._embeddings:
+        if var is layer._embeddings or (_lora_enabled(layer) and var is layer.lora_embeddings_a):
             return "ghost"
+        if _lora_enabled(layer) and var is layer.lora_embeddings_b:
+            return _static_linear(1, layer.lora_rank, layer.output_dim, T, B)
         return _static_linear(1, layer.output_dim, layer.input_dim, T, B)
 
 
