@@ -34,8 +34,8 @@ never forms a weight gradient.  From ``a`` and ``g``:
   backward pass of ``sum_i c_i loss_i`` would recompute every activation
   gradient as well: about twice the work of book-keeping on CPU.)
 
-Variables with no rule ("uncovered": e.g. a ``Conv1D`` kernel, quantized
-layers, layers whose ``call`` is overridden) get exact per-example
+Variables with no rule ("uncovered": e.g. a ``Conv1DTranspose`` kernel,
+quantized layers, layers whose ``call`` is overridden) get exact per-example
 gradients from a ``tf.map_fn`` over one-example slices of ``data`` (exact but
 slow) with ``method="auto"``; ``method="fast"`` raises
 :class:`UncoveredLayersError` instead.  A covered variable that is also read

@@ -5,10 +5,13 @@ import keras
 from keras_dp_lm.clipping._common import _keras_hub_class
 from keras_dp_lm.clipping._common import _lora_enabled
 from keras_dp_lm.clipping._common import _plain
+from keras_dp_lm.clipping.rules.conv import _ConvRule
 from keras_dp_lm.clipping.rules.dense import _DenseRule
 from keras_dp_lm.clipping.rules.einsum_dense import _EinsumDenseRule
 from keras_dp_lm.clipping.rules.embedding import _EmbeddingRule
 from keras_dp_lm.clipping.rules.embedding import _PositionEmbeddingRule
+from keras_dp_lm.clipping.rules.masked_lm_head import _MaskedLMHeadRule
+from keras_dp_lm.clipping.rules.normalization import _GroupNormRule
 from keras_dp_lm.clipping.rules.normalization import _LayerNormRule
 from keras_dp_lm.clipping.rules.normalization import _RMSNormRule
 
@@ -58,7 +61,9 @@ def register_clipping_rule(layer_class, rule):
 def _register_builtin_rules():
     rules = [(keras.layers.Dense, _DenseRule), (keras.layers.EinsumDense, _EinsumDenseRule),
              (keras.layers.Embedding, _EmbeddingRule),
-             (keras.layers.LayerNormalization, _LayerNormRule)]
+             (keras.layers.LayerNormalization, _LayerNormRule),
+             (keras.layers.GroupNormalization, _GroupNormRule),
+             (keras.layers.Conv1D, _ConvRule), (keras.layers.Conv2D, _ConvRule)]
     for name in ("ReversibleEmbedding",):
         if hasattr(keras.layers, name):
             rules.append((getattr(keras.layers, name), _EmbeddingRule))
@@ -69,6 +74,10 @@ def _register_builtin_rules():
            ("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm", _RMSNormRule, None),
            ("keras_hub.src.layers.modeling.rms_normalization", "RMSNormalization",
             _RMSNormRule, None),
+           ("keras_hub.src.models.gemma.rms_normalization", "RMSNormalization",
+            _RMSNormRule, None),
+           ("keras_hub.src.layers.modeling.masked_lm_head", "MaskedLMHead",
+            _MaskedLMHeadRule, None),
            # KerasHub's subclass adds preset plumbing only: the contract is that it
            # inherits Keras's computation unchanged, checked here.
            ("keras_hub.src.layers.modeling.reversible_embedding", "ReversibleEmbedding",

@@ -1,4 +1,4 @@
-"""Fast-clipping rules for LayerNormalization and RMS norms (Keras, KerasHub, Llama)."""
+"""Fast-clipping rules for Layer-, Group- and RMS normalization (Keras, KerasHub, Llama, Gemma)."""
 
 import keras
 import tensorflow as tf
@@ -68,9 +68,64 @@ class _LayerNormRule:
         return "instantiate"
 
 
+class _GroupNormRule:
+    """keras.layers.GroupNormalization: ``y = xhat * gamma + beta`` with
+    ``xhat`` normalised over each example's channel groups (and all other
+    non-batch axes); gamma's per-example gradient is ``sum(g * xhat)``,
+    beta's ``sum(g)``, over every axis but the channel axis."""
+
+    name = "GroupNormalization"
+
+    @staticmethod
+    def matches(layer):
+        return True
+
+    @staticmethod
+    def variables(layer):
+        return [v for v in (layer.gamma, layer.beta) if v is not None]
+
+    @staticmethod
+    def forward(layer, rec, inputs, *args, **kwargs):
+        y = _orig(layer)(inputs, *args, **kwargs)
+        call = rec.new_call(layer, y)
+        if call is not None:
+            x = tf.convert_to_tensor(inputs)
+            rank = x.shape.rank
+            axis = layer.axis % rank
+            channels = x.shape[axis]
+            if axis == 0 or channels is None or channels % layer.groups:
+                for v in _GroupNormRule.variables(layer):
+                    rec.mark_bad(v, "normalises over the batch axis or an unknown channel axis")
+                return y
+            groups, eps = layer.groups, layer.epsilon
+
+            def xhat(x=x):
+                x32 = tf.cast(x, tf.float32) if x.dtype != tf.float64 else x
+                shape = tf.shape(x32)
+                grouped = tf.concat([shape[:axis], [groups, channels // groups],
+                                     shape[axis + 1:]], axis=0)
+                xg = tf.reshape(x32, grouped)
+                axes = [a for a in range(1, rank + 1) if a != axis]   # all but the group axis
+                mean, var = tf.nn.moments(xg, axes=axes, keepdims=True)
+                return tf.reshape((xg - mean) * tf.math.rsqrt(var + eps), shape)
+
+            if layer.gamma is not None:
+                rec.add(_PerExample(layer.gamma, call,
+                                    lambda g: _scale_grad(g, xhat(), [axis])))
+            if layer.beta is not None:
+                rec.add(_PerExample(layer.beta, call, lambda g: _shift_grad(g, [axis])))
+        return y
+
+    @staticmethod
+    def static_method(layer, var, T, B):
+        return "instantiate"
+
+
 class _RMSNormRule:
     """LlamaLayerNorm (KerasHub Llama), keras.layers.RMSNormalization and
-    keras_hub.layers.RMSNormalization: y = x * rsqrt(mean(x^2) + eps) * scale."""
+    keras_hub.layers.RMSNormalization: y = x * rsqrt(mean(x^2) + eps) * scale;
+    KerasHub Gemma's RMSNormalization: y = x * rsqrt(mean(x^2) + eps) * (1 + scale)
+    (the same per-example gradient of ``scale``, ``sum(g * xhat)``)."""
 
     name = "RMSNorm"
 
@@ -88,6 +143,10 @@ class _RMSNormRule:
                                 "RMSNormalization")
         if hrms is not None and t is hrms.call:
             return "hub"
+        gemma = _keras_hub_class("keras_hub.src.models.gemma.rms_normalization",
+                                 "RMSNormalization")
+        if gemma is not None and t is gemma.call:
+            return "gemma"
         return None
 
     @staticmethod
@@ -105,7 +164,7 @@ class _RMSNormRule:
         if call is not None:
             x = tf.convert_to_tensor(inputs)
             kind = _RMSNormRule._kind(layer)
-            if kind == "llama":
+            if kind in ("llama", "gemma"):
                 axes, eps = [x.shape.rank - 1], layer.epsilon
             elif kind == "keras":
                 axes = _norm_axes(layer.axis, x.shape.rank)

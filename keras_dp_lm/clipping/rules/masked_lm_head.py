@@ -1,0 +1,96 @@
+"""Fast-clipping rule for KerasHub's ``MaskedLMHead`` (BERT-style masked LM heads)."""
+
+import contextlib
+
+from keras import ops
+
+from keras_dp_lm.clipping._common import _orig
+from keras_dp_lm.clipping._common import _plain
+from keras_dp_lm.clipping._common import _reduce_to_shape
+from keras_dp_lm.clipping.ghost import _PerExample
+from keras_dp_lm.clipping.ghost import _static_linear
+from keras_dp_lm.clipping.rules.dense import _matmul_contribution
+
+
+@contextlib.contextmanager
+def _sublayers_at_top_level(rec):
+    """Record the head's sub-layer calls as if made outside any covered call.
+
+    The head's recording wrapper has already stopped the tape that detects
+    variable reads outside covered calls, so the sub-layers' wrappers must
+    not stop it again; each sub-layer's own rule records its own variables.
+    """
+    depth, detect = rec.depth, rec.detect
+    rec.depth, rec.detect = 0, None
+    try:
+        yield
+    finally:
+        rec.depth, rec.detect = depth, detect
+
+
+class _MaskedLMHeadRule:
+    """``act(proj(norm(dense(take(x, positions)))) + b)``, ``proj`` being the
+    tied ``token_embedding`` reversed or the head's own ``x @ W``.
+
+    The head covers only the variables it reads itself (``_bias`` and an
+    untied ``_kernel``); its Dense, LayerNormalization and tied embedding are
+    called as layers and recorded by their own rules. That is sound only
+    when each sub-layer is of a registered class with the class's own
+    ``call`` (which reads no other layer's variable); otherwise the head's
+    variables and its covered sub-layers' variables fall back to exact.
+    """
+
+    name = "MaskedLMHead"
+
+    @staticmethod
+    def matches(layer):
+        return True
+
+    @staticmethod
+    def variables(layer):
+        vs = [layer._bias]
+        if layer.token_embedding is None:
+            vs.append(layer._kernel)
+        return vs
+
+    @staticmethod
+    def _sublayers(layer):
+        subs = [layer._intermediate_dense, layer._intermediate_layer_norm]
+        return subs + ([layer.token_embedding] if layer.token_embedding is not None else [])
+
+    @staticmethod
+    def forward(layer, rec, inputs, mask_positions):
+        from keras_dp_lm.clipping.registry import _RULES_BY_CLASS   # no import cycle
+
+        # Covered (recorded by their own rule), or of a registered class with
+        # the class's computation (frozen: reading only their own variables).
+        if not all(id(s) in rec.plan.layers or (type(s) in _RULES_BY_CLASS and _plain(s))
+                   for s in _MaskedLMHeadRule._sublayers(layer)):
+            rec.mark_layer_bad(layer, _MaskedLMHeadRule,
+                               "MaskedLMHead with an unregistered or modified sub-layer")
+            return _orig(layer)(inputs, mask_positions)
+        x = ops.take_along_axis(inputs, ops.expand_dims(mask_positions, axis=-1), axis=1)
+        with _sublayers_at_top_level(rec):
+            x = layer._intermediate_dense(x)
+            x = layer._intermediate_layer_norm(x)
+            if layer.token_embedding:
+                z = layer.token_embedding(x, reverse=True)
+        if not layer.token_embedding:
+            z = ops.matmul(x, layer._kernel)
+        z = ops.cast(z, layer.compute_dtype)
+        z = z + layer._bias
+        call = rec.new_call(layer, z)
+        if call is not None:
+            vocab = int(layer._bias.shape[0])
+            rec.add(_PerExample(layer._bias, call,
+                                lambda g, s=(vocab,): _reduce_to_shape(g, s)))
+            if not layer.token_embedding:
+                rec.add(_matmul_contribution(layer._kernel, call, x))
+        return layer.activation(z) if layer.activation is not None else z
+
+    @staticmethod
+    def static_method(layer, var, T, B):
+        if var is layer._bias:
+            return "instantiate"
+        d, vocab = (int(s) for s in var.shape)
+        return _static_linear(1, d, vocab, T, B)
