@@ -369,7 +369,7 @@ def test_lora_on_a_rule_without_lora_support_is_exact_with_the_reason():
 def conv_model():
     ids_in = keras.Input((6,), dtype="int32")
     emb = keras.layers.Embedding(9, 4, name="embedding")(ids_in)
-    conv = keras.layers.Conv1D(3, 2, name="conv")(emb)
+    conv = keras.layers.Conv1DTranspose(3, 2, name="conv")(emb)
     return keras.Model(ids_in, keras.layers.Dense(2, name="dense")(keras.layers.Flatten()(conv)))
 
 
@@ -378,10 +378,10 @@ def test_fast_raises_listing_uncovered_and_auto_falls_back_to_exact():
     model = conv_model()
     loss_fn = classification_loss(model)
     data = (rng.integers(0, 9, (4, 6)).astype("int32"), rng.integers(0, 2, 4))
-    with pytest.raises(fc.UncoveredLayersError, match=r"conv \(Conv1D\): conv/kernel, conv/bias") as info:
+    with pytest.raises(fc.UncoveredLayersError, match=r"conv \(Conv1DTranspose\): conv/kernel, conv/bias") as info:
         fc.fast_clipped_sum(model, loss_fn, data, 1.0, method="fast")
     assert isinstance(info.value, ValueError)
-    assert list(info.value.uncovered) == ["conv (Conv1D)"]
+    assert list(info.value.uncovered) == ["conv (Conv1DTranspose)"]
     assert_matches(model, loss_fn, data, method="auto")
     assert fc.clipping_coverage(model)["conv/kernel"] == "exact"
 
@@ -418,7 +418,7 @@ def test_coverage_report_and_restoration_after_error():
                         "dense/bias": "instantiate"}
     report = fc.coverage_report(model, sequence_length=6, batch_size=4)
     assert "conv/kernel" in report and "uncovered layers" in report
-    assert "conv (Conv1D)" in report.splitlines()[-1]
+    assert "conv (Conv1DTranspose)" in report.splitlines()[-1]
 
     def failing(data):
         model(data, training=True)

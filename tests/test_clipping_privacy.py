@@ -113,7 +113,7 @@ def test_mixed_bfloat16_keeps_the_bound_to_float32_rounding(bfloat16_policy, cli
     h = keras.layers.Embedding(50, 16)(inputs)
     h = keras.layers.LayerNormalization()(h)
     h = keras.layers.EinsumDense("btd,de->bte", output_shape=(None, 16))(h)
-    h = keras.layers.Conv1D(8, 3, padding="same")(h)   # no rule: exact fallback
+    h = keras.layers.Conv1D(8, 3, padding="same", groups=2)(h)   # grouped: exact fallback
     model = keras.Model(inputs, keras.layers.Dense(50)(h))
     model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=0.01, noise_multiplier=0.0,
                                       clipping=clipping),

@@ -41,7 +41,9 @@ class UncoveredLayersError(ValueError):
                "gradients for just these variables, freeze them "
                "(layer.trainable = False), use covered layers (Dense, "
                "EinsumDense, MultiHeadAttention, Embedding, ReversibleEmbedding, "
-               "PositionEmbedding, LayerNormalization, RMS norms), or declare a "
+               "PositionEmbedding, Conv1D, Conv2D, LayerNormalization, "
+               "GroupNormalization, RMS norms, KerasHub MaskedLMHead; LoRA on "
+               "Dense, EinsumDense and Embedding), or declare a "
                "rule with keras_dp_lm.clipping.register_clipping_rule.")
         super().__init__(msg)
 

@@ -112,11 +112,13 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self._tensors,
         )
 
-    def tokenizer(self, **kwargs):
+    def tokenizer(self, start_token=None, end_token=None, **kwargs):
         """A ``keras_hub.models.Llama3Tokenizer`` with the file's BPE vocabulary and merges.
 
-        The file's bos / eos ids give the start / end tokens; its other control
-        tokens are kept whole (never split by BPE).
+        The start / end tokens are the file's bos / eos unless ``start_token`` /
+        ``end_token`` name other tokens of the vocabulary (e.g. SmolLM2's
+        document separator ``"<|endoftext|>"`` for plain text instead of its chat
+        markers); the other control tokens are kept whole (never split by BPE).
         """
         import keras_hub
 
@@ -127,8 +129,11 @@ class GGUFCheckpoint:
         tokens = self.field("tokenizer.ggml.tokens")
         types = self.field("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = self.field("tokenizer.ggml.merges")
-        bos = tokens[int(self.field("tokenizer.ggml.bos_token_id"))]
-        eos = tokens[int(self.field("tokenizer.ggml.eos_token_id"))]
+        bos = start_token or tokens[int(self.field("tokenizer.ggml.bos_token_id"))]
+        eos = end_token or tokens[int(self.field("tokenizer.ggml.eos_token_id"))]
+        for token in (bos, eos):
+            if token not in tokens:
+                raise ValueError(f"{token!r} is not a token of {self.path}")
         special = {t for t, kind in zip(tokens, types) if int(kind) == _CONTROL}
         return keras_hub.models.Llama3Tokenizer(
             vocabulary={t: i for i, t in enumerate(tokens)}, merges=list(merges),
@@ -188,7 +193,8 @@ class GGUFCheckpoint:
         return backbone
 
 
-def load_gguf_causal_lm(path, sequence_length=256, dtype=None):
+def load_gguf_causal_lm(path, sequence_length=256, dtype=None, start_token=None,
+                        end_token=None):
     """A ``keras_hub.models.Llama3CausalLM`` (weights, tokenizer, preprocessor) from a GGUF file.
 
     Args:
@@ -197,6 +203,8 @@ def load_gguf_causal_lm(path, sequence_length=256, dtype=None):
         sequence_length: the preprocessor's packed length.
         dtype: the backbone's dtype policy (e.g. ``"bfloat16"``); weights are
             dequantized to float32 first.
+        start_token, end_token: the preprocessor's start / end tokens, when not
+            the file's bos / eos (see :meth:`GGUFCheckpoint.tokenizer`).
 
     Returns:
         The causal LM, ready for ``generate``, ``fit`` and
@@ -213,5 +221,5 @@ def load_gguf_causal_lm(path, sequence_length=256, dtype=None):
     backbone = keras_hub.models.Llama3Backbone(dtype=dtype, **checkpoint.backbone_config())
     checkpoint.load_weights_into(backbone)
     preprocessor = keras_hub.models.Llama3CausalLMPreprocessor(
-        checkpoint.tokenizer(), sequence_length=sequence_length)
+        checkpoint.tokenizer(start_token, end_token), sequence_length=sequence_length)
     return keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=preprocessor)
