@@ -48,4 +48,3 @@ def test_causal_lm_from_preset_dp_example(tmp_path):
     changed = [not np.array_equal(a, b) for a, b in
                zip(reloaded.backbone.get_weights(), base.backbone.get_weights())]
     assert any(changed)  # the saved preset holds the fine-tuned weights
-
