@@ -137,6 +137,18 @@ def split_classifier(classifier, trainable_layers):
     return frozen, head
 
 
+def lora_top_layers(classifier, trainable_layers, rank):
+    """Keras LoRA (rank ``rank``) on the query / value projections of the top
+    ``trainable_layers`` layers, the rest of those layers frozen; the pooler and
+    output layer stay fully trainable."""
+    for layer in classifier.backbone.transformer_layers[-trainable_layers:]:
+        layer.trainable = False
+        attention = layer._self_attention_layer
+        for dense in (attention._query_dense, attention._value_dense):
+            dense.trainable = True
+            dense.enable_lora(rank)
+
+
 def frozen_features(classifier, frozen, texts, batch_size=128):
     """The frozen part's outputs for ``texts``: ``{"hidden", "padding_mask"}`` arrays."""
     import tensorflow as tf
@@ -188,6 +200,9 @@ def main(argv=None):
                    help="DP compute budget in expected epochs (the recipe's `epochs`)")
     p.add_argument("--dp-min-steps", type=int, default=100,
                    help="the recipe's `min_steps`")
+    p.add_argument("--dp-lora-rank", type=int, default=0,
+                   help="DP run only: LoRA of this rank on the top layers' query / value "
+                        "instead of fine-tuning them fully (0: full)")
     p.add_argument("--micro-batch-size", type=int, default=128,
                    help="DP micro-batch (memory); the recipe sets the accumulation")
     p.add_argument("--sequence-length", type=int, default=SEQUENCE_LENGTH)
@@ -279,8 +294,10 @@ def main(argv=None):
 
     if "dp" in runs:
         keras.utils.set_random_seed(args.seed)
-        _, head = split_classifier(load_classifier(args.sequence_length),
-                                   args.trainable_layers)
+        dp_classifier = load_classifier(args.sequence_length)
+        _, head = split_classifier(dp_classifier, args.trainable_layers)
+        if args.dp_lora_rank:
+            lora_top_layers(dp_classifier, args.trainable_layers, args.dp_lora_rank)
         recipe = suggest_recipe(
             dataset_size=len(y_train), target_epsilon=args.epsilon, delta=args.delta,
             epochs=args.dp_epochs, min_steps=args.dp_min_steps,
@@ -297,7 +314,8 @@ def main(argv=None):
         seconds = time.time() - start
         acc = accuracies(head, held_out)
         report = accountant.report()
-        rows.append({"run": f"DP (recipe: Adam {recipe.learning_rate:.3g}, clip "
+        lora = f"LoRA rank {args.dp_lora_rank}, " if args.dp_lora_rank else ""
+        rows.append({"run": f"DP ({lora}recipe: Adam {recipe.learning_rate:.3g}, clip "
                             f"{recipe.l2_norm_clip:g}, sigma {recipe.noise_multiplier:.3f})",
                      "accuracy": acc, "epsilon": f"{report['epsilon']:.2f}",
                      "steps": report["dp_updates"], "batch": f"{recipe.batch_size} (Poisson)",

@@ -43,6 +43,11 @@ def main(argv=None):
                    help="expected (Poisson) DP batch size; the non-private run uses it too")
     p.add_argument("--learning-rate", type=float, default=2e-4,
                    help="non-private Adam rate at batch 32, handed to suggest_recipe")
+    p.add_argument("--baseline-learning-rate", type=float, default=None,
+                   help="non-private LoRA rate (default: the recipe's rate without its "
+                        "DP noise factor)")
+    p.add_argument("--runs", default="dp,non-private",
+                   help="comma-separated subset of dp,non-private (public only always runs)")
     p.add_argument("--max-train", type=int, default=8000,
                    help="private training records (Shakespeare, shuffled)")
     p.add_argument("--heldout", type=int, default=200)
@@ -89,46 +94,55 @@ def main(argv=None):
                             batch_size=args.batch_size, steps=args.steps,
                             learning_rate=args.learning_rate, num_parameters=d)
     print(recipe.explain(), flush=True)
-    preprocessor = lm.preprocessor
-    batches = recipe.poisson_batches(train, preprocessor=preprocessor, seed=args.seed)
-    lm.preprocessor = None   # the batches are already token ids
-    lm.compile(optimizer=recipe.optimizer(), weighted_metrics=[],
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    accountant = recipe.accountant(batches=batches)
-    start = time.time()
-    lm.fit(batches, epochs=1, callbacks=[accountant], verbose=args.verbose)
-    timings["dp_lora_s"] = time.time() - start
-    lm.preprocessor = preprocessor
-    report = accountant.report()
-    rows.append((f"DP LoRA (rank {args.rank}, epsilon {report['epsilon']:.2f}, "
-                 f"sigma {recipe.noise_multiplier:.3f}, lr {recipe.learning_rate:.3g})",
-                 perplexity(lm), report["dp_updates"]))
+    runs = {r.strip() for r in args.runs.split(",") if r.strip()}
+    if not runs or runs - {"dp", "non-private"}:
+        raise ValueError(f"--runs must name dp and/or non-private, got {args.runs!r}")
+    report = None
+    if "dp" in runs:
+        preprocessor = lm.preprocessor
+        batches = recipe.poisson_batches(train, preprocessor=preprocessor, seed=args.seed)
+        lm.preprocessor = None   # the batches are already token ids
+        lm.compile(optimizer=recipe.optimizer(), weighted_metrics=[],
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        accountant = recipe.accountant(batches=batches)
+        start = time.time()
+        lm.fit(batches, epochs=1, callbacks=[accountant], verbose=args.verbose)
+        timings["dp_lora_s"] = time.time() - start
+        lm.preprocessor = preprocessor
+        report = accountant.report()
+        rows.append((f"DP LoRA (rank {args.rank}, epsilon {report['epsilon']:.2f}, "
+                     f"sigma {recipe.noise_multiplier:.3f}, lr {recipe.learning_rate:.3g})",
+                     perplexity(lm), report["dp_updates"]))
 
-    lm = fresh()
-    baseline_lr = recipe.learning_rate / recipe.noise_learning_rate_factor
-    lm.compile(optimizer=keras.optimizers.Adam(baseline_lr), weighted_metrics=[],
-               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    import tensorflow as tf
+    if "non-private" in runs:
+        lm = fresh()
+        baseline_lr = args.baseline_learning_rate or (
+            recipe.learning_rate / recipe.noise_learning_rate_factor)
+        lm.compile(optimizer=keras.optimizers.Adam(baseline_lr), weighted_metrics=[],
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        import tensorflow as tf
 
-    ds = (tf.data.Dataset.from_tensor_slices(train).shuffle(len(train), seed=args.seed)
-          .repeat().batch(args.batch_size, drop_remainder=True))
-    start = time.time()
-    lm.fit(ds, steps_per_epoch=args.steps, epochs=1, verbose=args.verbose)
-    timings["nonprivate_lora_s"] = time.time() - start
-    rows.append((f"non-private LoRA (rank {args.rank}, lr {baseline_lr:.3g})",
-                 perplexity(lm), args.steps))
+        ds = (tf.data.Dataset.from_tensor_slices(train).shuffle(len(train), seed=args.seed)
+              .repeat().batch(args.batch_size, drop_remainder=True))
+        start = time.time()
+        lm.fit(ds, steps_per_epoch=args.steps, epochs=1, verbose=args.verbose)
+        timings["nonprivate_lora_s"] = time.time() - start
+        rows.append((f"non-private LoRA (rank {args.rank}, lr {baseline_lr:.3g})",
+                     perplexity(lm), args.steps))
 
-    dp, nonprivate = rows[1][1], rows[2][1]
     print(f"\n{len(train)} private training records, {len(heldout)} held out; "
           f"{d:,} LoRA parameters; batch {args.batch_size}, {args.steps} steps")
     print("| model | held-out perplexity | updates |\n|---|---:|---:|")
     for name, ppl, steps in rows:
         print(f"| {name} | {ppl:.2f} | {steps} |")
-    print(f"DP / non-private perplexity: {dp / nonprivate:.2f}x; "
-          f"time DP {timings['dp_lora_s']:.0f} s, non-private {timings['nonprivate_lora_s']:.0f} s")
     result = dict(rows=[dict(model=n, perplexity=x, updates=s) for n, x, s in rows],
-                  ratio=dp / nonprivate, timings=timings, recipe=recipe.to_dict(),
-                  epsilon=report["epsilon"], delta=report["delta"])
+                  timings=timings, recipe=recipe.to_dict())
+    if report is not None:
+        result.update(epsilon=report["epsilon"], delta=report["delta"])
+    if len(rows) == 3:
+        result["ratio"] = rows[1][1] / rows[2][1]
+        print(f"DP / non-private perplexity: {result['ratio']:.2f}x; time DP "
+              f"{timings['dp_lora_s']:.0f} s, non-private {timings['nonprivate_lora_s']:.0f} s")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)

@@ -25,8 +25,10 @@ def _shift_grad(g, axes):
     return tf.reduce_sum(g, axis=other) if other else g
 
 
-class _LayerNormRule:
-    name = "LayerNormalization"
+class _AffineNorm:
+    """Shared by normalisations with a ``gamma`` scale and ``beta`` offset
+    applied to a normalised ``xhat``: their tiny per-example gradients are
+    ``sum(g * xhat)`` and ``sum(g)`` over every axis but the normalised ones."""
 
     @staticmethod
     def matches(layer):
@@ -37,6 +39,21 @@ class _LayerNormRule:
         return [v for v in (layer.gamma, layer.beta) if v is not None]
 
     @staticmethod
+    def static_method(layer, var, T, B):
+        return "instantiate"
+
+    @staticmethod
+    def add_contributions(rec, layer, call, xhat, axes):
+        if layer.gamma is not None:
+            rec.add(_PerExample(layer.gamma, call, lambda g: _scale_grad(g, xhat(), axes)))
+        if layer.beta is not None:
+            rec.add(_PerExample(layer.beta, call, lambda g: _shift_grad(g, axes)))
+
+
+class _LayerNormRule(_AffineNorm):
+    name = "LayerNormalization"
+
+    @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
         y = _orig(layer)(inputs, *args, **kwargs)
         call = rec.new_call(layer, y)
@@ -44,8 +61,7 @@ class _LayerNormRule:
             x = tf.convert_to_tensor(inputs)
             axes = _norm_axes(layer.axis, x.shape.rank)
             if 0 in axes:
-                for v in _LayerNormRule.variables(layer):
-                    rec.mark_bad(v, "normalises over the batch axis")
+                rec.mark_layer_bad(layer, _LayerNormRule, "normalises over the batch axis")
                 return y
             eps, rms = layer.epsilon, layer.rms_scaling
 
@@ -56,33 +72,17 @@ class _LayerNormRule:
                     return x32 * tf.math.rsqrt(var + eps)
                 return (x32 - mean) * tf.math.rsqrt(var + eps)
 
-            if layer.gamma is not None:
-                rec.add(_PerExample(layer.gamma, call,
-                                    lambda g: _scale_grad(g, xhat(), axes)))
-            if layer.beta is not None:
-                rec.add(_PerExample(layer.beta, call, lambda g: _shift_grad(g, axes)))
+            _AffineNorm.add_contributions(rec, layer, call, xhat, axes)
         return y
 
-    @staticmethod
-    def static_method(layer, var, T, B):
-        return "instantiate"
 
-
-class _GroupNormRule:
+class _GroupNormRule(_AffineNorm):
     """keras.layers.GroupNormalization: ``y = xhat * gamma + beta`` with
     ``xhat`` normalised over each example's channel groups (and all other
     non-batch axes); gamma's per-example gradient is ``sum(g * xhat)``,
     beta's ``sum(g)``, over every axis but the channel axis."""
 
     name = "GroupNormalization"
-
-    @staticmethod
-    def matches(layer):
-        return True
-
-    @staticmethod
-    def variables(layer):
-        return [v for v in (layer.gamma, layer.beta) if v is not None]
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
@@ -94,8 +94,8 @@ class _GroupNormRule:
             axis = layer.axis % rank
             channels = x.shape[axis]
             if axis == 0 or channels is None or channels % layer.groups:
-                for v in _GroupNormRule.variables(layer):
-                    rec.mark_bad(v, "normalises over the batch axis or an unknown channel axis")
+                rec.mark_layer_bad(layer, _GroupNormRule,
+                                   "normalises over the batch axis or an unknown channel axis")
                 return y
             groups, eps = layer.groups, layer.epsilon
 
@@ -109,16 +109,8 @@ class _GroupNormRule:
                 mean, var = tf.nn.moments(xg, axes=axes, keepdims=True)
                 return tf.reshape((xg - mean) * tf.math.rsqrt(var + eps), shape)
 
-            if layer.gamma is not None:
-                rec.add(_PerExample(layer.gamma, call,
-                                    lambda g: _scale_grad(g, xhat(), [axis])))
-            if layer.beta is not None:
-                rec.add(_PerExample(layer.beta, call, lambda g: _shift_grad(g, [axis])))
+            _AffineNorm.add_contributions(rec, layer, call, xhat, [axis])
         return y
-
-    @staticmethod
-    def static_method(layer, var, T, B):
-        return "instantiate"
 
 
 class _RMSNormRule:
