@@ -21,6 +21,8 @@ from keras_dp_lm.clipping.ghost import _Call
 from keras_dp_lm.clipping.registry import _rule_for
 
 class _Plan:
+    rule_for = staticmethod(_rule_for)   # for rules that check their sub-layers
+
     def __init__(self, model):
         self.trainable = list(model.trainable_variables)
         t_ids = {id(v) for v in self.trainable}

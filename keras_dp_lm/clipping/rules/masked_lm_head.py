@@ -5,7 +5,6 @@ import contextlib
 from keras import ops
 
 from keras_dp_lm.clipping._common import _orig
-from keras_dp_lm.clipping._common import _plain
 from keras_dp_lm.clipping._common import _reduce_to_shape
 from keras_dp_lm.clipping.ghost import _PerExample
 from keras_dp_lm.clipping.ghost import _static_linear
@@ -60,11 +59,9 @@ class _MaskedLMHeadRule:
 
     @staticmethod
     def forward(layer, rec, inputs, mask_positions):
-        from keras_dp_lm.clipping.registry import _RULES_BY_CLASS   # no import cycle
-
         # Covered (recorded by their own rule), or of a registered class with
         # the class's computation (frozen: reading only their own variables).
-        if not all(id(s) in rec.plan.layers or (type(s) in _RULES_BY_CLASS and _plain(s))
+        if not all(id(s) in rec.plan.layers or rec.plan.rule_for(s) is not None
                    for s in _MaskedLMHeadRule._sublayers(layer)):
             rec.mark_layer_bad(layer, _MaskedLMHeadRule,
                                "MaskedLMHead with an unregistered or modified sub-layer")
