@@ -63,6 +63,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import keras
+    import tensorflow as tf
 
     from keras_dp_lm import corpora
     from keras_dp_lm import evaluation
@@ -125,8 +126,6 @@ def main(argv=None):
         baseline_lr = args.baseline_learning_rate or recipe.learning_rate
         lm.compile(optimizer=keras.optimizers.Adam(baseline_lr), weighted_metrics=[],
                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        import tensorflow as tf
-
         ds = (tf.data.Dataset.from_tensor_slices(train).shuffle(len(train), seed=args.seed)
               .repeat().batch(args.batch_size, drop_remainder=True))
         start = time.time()

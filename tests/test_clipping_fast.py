@@ -91,6 +91,13 @@ def padded_tokens(rng, batch, length, vocab):
     return ids, mask
 
 
+def tiny_bert_backbone():
+    """BERT, 2 layers x 16, vocabulary 50, no dropout (built offline)."""
+    return keras_hub.models.BertBackbone(
+        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+
+
 def classification_loss(model):
     def loss_fn(data):
         x, y = data
@@ -209,9 +216,7 @@ def test_gpt2_causal_lm_tied_padding_eager_and_graph():
 
 def test_bert_text_classifier_padding():
     rng = np.random.default_rng(4)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+    backbone = tiny_bert_backbone()
     model = keras_hub.models.BertTextClassifier(
         backbone, num_classes=2, preprocessor=None, dropout=0.0)
     ids, mask = padded_tokens(rng, 4, 8, 50)
@@ -330,9 +335,7 @@ def test_lora_keras_hub_causal_lm_eager_graph_xla(arch):
 
 def test_lora_bert_classifier():
     rng = np.random.default_rng(14)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+    backbone = tiny_bert_backbone()
     model = keras_hub.models.BertTextClassifier(
         backbone, num_classes=2, preprocessor=None, dropout=0.0)
     backbone.enable_lora(2)

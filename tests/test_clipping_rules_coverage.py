@@ -20,6 +20,7 @@ from test_clipping_fast import assert_matches
 from test_clipping_fast import classification_loss
 from test_clipping_fast import force  # noqa: F401  (fixture)
 from test_clipping_fast import padded_tokens
+from test_clipping_fast import tiny_bert_backbone
 from test_clipping_fast import token_loss
 
 
@@ -214,9 +215,7 @@ def _mlm_loss(model):
 
 def test_bert_masked_lm_tied_head():
     rng = np.random.default_rng(26)
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+    backbone = tiny_bert_backbone()
     model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
     ids, mask = padded_tokens(rng, 4, 10, 50)
     positions = np.array([[1, 3, 4], [0, 2, 2], [5, 6, 7], [1, 2, 0]], "int32")

@@ -3,7 +3,6 @@
 import collections
 
 from keras_dp_lm.clipping._common import _layer_desc
-from keras_dp_lm.clipping._common import _lora_enabled
 from keras_dp_lm.clipping._common import _plain
 from keras_dp_lm.clipping._common import _prod
 from keras_dp_lm.clipping._common import _static
@@ -12,6 +11,7 @@ from keras_dp_lm.clipping.fast import _LAST_DECISIONS
 from keras_dp_lm.clipping.fast import _LAST_REASONS
 from keras_dp_lm.clipping.recording import _Plan
 from keras_dp_lm.clipping.registry import _RULES_BY_CLASS
+from keras_dp_lm.clipping.registry import _lora_unsupported
 
 def clipping_coverage(model, sequence_length=None, batch_size=None):
     """How each trainable variable's per-example norm will be computed.
@@ -63,8 +63,7 @@ def exact_reason(model, variable):
         return "not created by a layer"
     if not _plain(layer):
         return "quantized or per-instance call"
-    rule = _RULES_BY_CLASS.get(type(layer))
-    if rule is not None and _lora_enabled(layer) and not getattr(rule, "lora", False):
+    if _lora_unsupported(_RULES_BY_CLASS.get(type(layer)), layer):
         return f"LoRA on {type(layer).__name__}: its rule does not describe LoRA adapters"
     if type(layer) not in _RULES_BY_CLASS:
         parents = [c.__name__ for c in type(layer).__mro__[1:] if c in _RULES_BY_CLASS]

@@ -71,6 +71,22 @@ class _Recorder:
             return "called inside a control-flow body (e.g. an RNN cell or tf.cond)"
         return None
 
+    @contextlib.contextmanager
+    def sublayer_calls(self):
+        """Record the sub-layer calls a rule's ``forward`` makes as if made at
+        top level, each by its own rule (e.g. a head calling its Dense).
+
+        Only for rules whose own variables are not read by those calls: the
+        calling wrapper has already paused the tape that detects variable
+        reads outside covered calls, so the sub-layers must not pause it again.
+        """
+        depth, detect = self.depth, self.detect
+        self.depth, self.detect = 0, None
+        try:
+            yield
+        finally:
+            self.depth, self.detect = depth, detect
+
     def mark_layer_bad(self, layer, rule, reason):
         for v in rule.variables(layer):
             self.mark_bad(v, reason)

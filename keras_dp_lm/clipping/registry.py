@@ -98,12 +98,18 @@ def _register_builtin_rules():
 _register_builtin_rules()
 
 
+def _lora_unsupported(rule, layer):
+    """A LoRA layer whose rule does not declare ``lora = True`` (it would describe
+    the base computation only)."""
+    return rule is not None and _lora_enabled(layer) and not getattr(rule, "lora", False)
+
+
 def _rule_for(layer):
     if not getattr(layer, "built", False) or not _plain(layer):
         return None
     rule = _RULES_BY_CLASS.get(type(layer))
-    if rule is not None and _lora_enabled(layer) and not getattr(rule, "lora", False):
-        return None   # the rule does not describe the LoRA computation
+    if _lora_unsupported(rule, layer):
+        return None
     try:
         return rule if rule is not None and rule.matches(layer) else None
     except AttributeError:

@@ -1,7 +1,5 @@
 """Fast-clipping rule for KerasHub's ``MaskedLMHead`` (BERT-style masked LM heads)."""
 
-import contextlib
-
 from keras import ops
 
 from keras_dp_lm.clipping._common import _orig
@@ -9,22 +7,6 @@ from keras_dp_lm.clipping._common import _reduce_to_shape
 from keras_dp_lm.clipping.ghost import _PerExample
 from keras_dp_lm.clipping.ghost import _static_linear
 from keras_dp_lm.clipping.rules.dense import _matmul_contribution
-
-
-@contextlib.contextmanager
-def _sublayers_at_top_level(rec):
-    """Record the head's sub-layer calls as if made outside any covered call.
-
-    The head's recording wrapper has already stopped the tape that detects
-    variable reads outside covered calls, so the sub-layers' wrappers must
-    not stop it again; each sub-layer's own rule records its own variables.
-    """
-    depth, detect = rec.depth, rec.detect
-    rec.depth, rec.detect = 0, None
-    try:
-        yield
-    finally:
-        rec.depth, rec.detect = depth, detect
 
 
 class _MaskedLMHeadRule:
@@ -67,7 +49,7 @@ class _MaskedLMHeadRule:
                                "MaskedLMHead with an unregistered or modified sub-layer")
             return _orig(layer)(inputs, mask_positions)
         x = ops.take_along_axis(inputs, ops.expand_dims(mask_positions, axis=-1), axis=1)
-        with _sublayers_at_top_level(rec):
+        with rec.sublayer_calls():
             x = layer._intermediate_dense(x)
             x = layer._intermediate_layer_norm(x)
             if layer.token_embedding:
