@@ -48,6 +48,7 @@ _EXPORTS = {
     "make_dp_optimizer": "keras_dp_lm.optimizers",
     "attach_real_slots": "keras_dp_lm.data",
     "poisson_batches": "keras_dp_lm.data",
+    "poisson_user_batches": "keras_dp_lm.data",
     "suggest_max_batch_size": "keras_dp_lm.data",
     "make_private": "keras_dp_lm.training",
     "DPVocabularyAdapter": "keras_dp_lm.tokenizers",

@@ -159,10 +159,11 @@ def privacy_statement(report):
         DP-SGD with noise multiplier 1
     """
     r = report
+    user_level = r.get("privacy_unit") == "user"
     batch = ""
     if r.get("batch_size") and r.get("dataset_size"):
         batch = (f" (logical batch {format_number(r['batch_size'])} of "
-                 f"{format_number(r['dataset_size'])} examples)")
+                 f"{format_number(r['dataset_size'])} {'users' if user_level else 'examples'})")
     clip = (f", clipping norm {format_number(float(r['l2_norm_clip']))}"
             if r.get("l2_norm_clip") else "")
     other = "rdp" if r["accountant"] == "pld" else "pld"
@@ -177,7 +178,9 @@ def privacy_statement(report):
     else:
         lines.append(
             f"It satisfies (epsilon = {format_epsilon(r['epsilon'])}, delta = {r['delta']:.3g})"
-            f"-differential privacy for each training example under add/remove-one "
+            f"-differential privacy for each "
+            f"{'user (all of its examples)' if user_level else 'training example'}"
+            f" under add/remove-one "
             f"adjacency ({r['accountant'].upper()} accountant; the "
             f"{other.upper()} accountant gives epsilon = {format_epsilon(r['epsilon_' + other])}).")
     lines.append(f"Sampling: {r['sampling_note']}.")

@@ -91,14 +91,18 @@ class PrivacyAccountant(keras.callbacks.Callback):
         sampling: ``"poisson"``, ``"shuffle"`` (fixed-size shuffled batches,
             accounted as if Poisson, with a warning) or ``"auto"``: Poisson when
             ``batches`` or the optimizer's ``expected_batch_size`` is given.
-        batches: the dataset from :func:`keras_dp_lm.data.poisson_batches`;
-            its ``sampling_rate`` and ``dataset_size`` are used, so the rate is
-            stated once.
+        batches: the dataset from :func:`keras_dp_lm.data.poisson_batches`
+            (or :func:`~keras_dp_lm.data.poisson_user_batches`, whose
+            ``dataset_size`` is the number of users: epsilon is then
+            user-level); its ``sampling_rate`` and ``dataset_size`` are used,
+            so the rate is stated once.
         extra_events: other releases about the same data (``dp_accounting.DpEvent``
             or ``(epsilon, delta)`` pairs), composed with training in
             :meth:`report`. ``target_epsilon`` bounds the training alone.
-        examples_per_user: optional k; :meth:`report` adds a user-level
-            epsilon by group privacy (see :func:`user_level_epsilon`).
+        examples_per_user: optional k, for EXAMPLE-level training: :meth:`report`
+            adds a user-level epsilon by group privacy (see
+            :func:`user_level_epsilon`). Training on user batches is user-level
+            already and needs no group privacy.
         verbose: 1 prints one line when training is stopped for the budget.
 
     ``logs["epsilon"]`` always comes from the chosen accountant. At the end of
@@ -536,6 +540,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
             "steps_per_execution": config["steps_per_execution"],
             "gradient_accumulation_steps": config["gradient_accumulation_steps"],
             "stopped_at": self.stopped_at,
+            "privacy_unit": _ledger(self.model).privacy_unit or "example",
         })
         self._report_cache = (key, copy.deepcopy(report))
         return report

@@ -34,6 +34,8 @@ from keras_dp_lm.clipping.interface import batch_size_of
 from keras_dp_lm.clipping.interface import clip_factors
 from keras_dp_lm.clipping.interface import onednn_enabled
 from keras_dp_lm.clipping.interface import scale_examples
+from keras_dp_lm.clipping.interface import sum_user_rows
+from keras_dp_lm.clipping.interface import user_slot_mask
 from keras_dp_lm.clipping.registry import register_clipping_rule
 
 __all__ = [
@@ -51,6 +53,8 @@ __all__ = [
     "per_example_gradients",
     "register_clipping_rule",
     "scale_examples",
+    "sum_user_rows",
+    "user_slot_mask",
 ]
 
 from keras_dp_lm import _activate_if_pending  # noqa: E402

@@ -7,7 +7,8 @@ from keras_dp_lm.clipping.fast import fast_clipped_sum
 from keras_dp_lm.clipping.interface import losses_and_outputs
 
 
-def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None):
+def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None,
+                examples_per_user=1):
     """Per-example clipping of ``model``'s trainable variables by the chosen engine.
 
     Args:
@@ -22,6 +23,9 @@ def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=Non
             uncovered variables; ``"auto"`` uses the rules where they exist and
             exact per-example gradients for the remaining variables.
         slot_mask: optional ``[B]``, 0 on padding slots (zero clip factor).
+        examples_per_user: ``k``: rows ``u*k .. u*k+k-1`` belong to user ``u``,
+            and each user's summed gradient is clipped (user-level DP);
+            ``norms`` is then ``[B/k]``.
 
     Returns:
         :class:`ClippedSum` with ``grads`` in the variables' dtypes.
@@ -42,10 +46,11 @@ def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=Non
             return losses_and_outputs(loss_fn(part))[0]
 
         result = exact_clipped_sum(losses_only, data, model.trainable_variables,
-                                   l2_norm_clip, slot_mask=slot_mask)
+                                   l2_norm_clip, slot_mask=slot_mask,
+                                   examples_per_user=examples_per_user)
     elif method in ("auto", "fast"):
         result = fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method=method,
-                                  slot_mask=slot_mask)
+                                  slot_mask=slot_mask, examples_per_user=examples_per_user)
     else:
         raise ValueError(f"method must be 'auto', 'fast' or 'exact', got {method!r}.")
     grads = [tf.cast(g, v.dtype) for g, v in zip(result.grads, model.trainable_variables)]

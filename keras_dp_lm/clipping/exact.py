@@ -13,10 +13,12 @@ import tensorflow as tf
 
 from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import batch_size_of
+from keras_dp_lm.clipping.interface import check_examples_per_user
 from keras_dp_lm.clipping.interface import clip_factors
 from keras_dp_lm.clipping.interface import losses_and_outputs
 from keras_dp_lm.clipping.interface import onednn_enabled
 from keras_dp_lm.clipping.interface import scale_examples
+from keras_dp_lm.clipping.interface import user_slot_mask
 
 
 def _tf_variable(v):
@@ -25,28 +27,38 @@ def _tf_variable(v):
     return inner if isinstance(inner, tf.Variable) else v
 
 
-def _one_example(data, index):
-    """Example ``index`` of ``data`` as a batch of one.
+def _one_example(data, index, examples_per_user=1):
+    """Example ``index`` of ``data`` as a batch of one (with ``k =
+    examples_per_user > 1``: user ``index``'s rows ``index*k .. index*k+k-1``).
 
     gather + expand_dims keeps a static ``[1, ...]`` shape under XLA, where a
     dynamic ``t[i:i + 1]`` slice does not compile; rank-0 leaves pass through.
     """
+    k = examples_per_user
+
     def one(t):
         if t is None:
             return None
         t = tf.convert_to_tensor(t)
-        return tf.expand_dims(tf.gather(t, index), 0) if t.shape.rank else t
+        if not t.shape.rank:
+            return t
+        if k == 1:
+            return tf.expand_dims(tf.gather(t, index), 0)
+        return tf.gather(t, index * k + tf.range(k))
     return tf.nest.map_structure(one, data)
 
 
 def one_example_gradient(loss_fn, example, variables):
-    """``(loss, grads)`` of a batch of one: float32 gradients, zeros where unconnected."""
+    """``(losses, grads)`` of one example (or one user's rows): the float32
+    per-row losses and the gradient of their sum, zeros where unconnected."""
     tf_vars = [_tf_variable(v) for v in variables]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(tf_vars)
-        loss = tf.reduce_sum(losses_and_outputs(loss_fn(example))[0])
+        losses = tf.cast(tf.reshape(losses_and_outputs(loss_fn(example))[0], [-1]),
+                         tf.float32)
+        loss = tf.reduce_sum(losses)
     grads = tape.gradient(loss, tf_vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return loss, [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
+    return losses, [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
 
 
 def _global_norm(grads):
@@ -78,7 +90,7 @@ def per_example_gradients(loss_fn, data, variables, batch_size=None):
 
 
 def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
-                      slot_mask=None):
+                      slot_mask=None, examples_per_user=1):
     """Exact per-example clipping by computing every example's gradient.
 
     Args:
@@ -92,6 +104,8 @@ def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
             running sum (memory of one example's gradient); ``None`` picks
             vectorisation exactly when oneDNN is off.
         slot_mask: optional ``[B]``, 0 on padding slots (they add nothing).
+        examples_per_user: ``k``: rows ``u*k .. u*k+k-1`` are user ``u``, whose
+            summed gradient is the unit that is clipped (``norms`` is ``[B/k]``).
 
     Example:
         >>> import keras, numpy as np
@@ -109,39 +123,45 @@ def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
     variables = list(variables)
     data = tf.nest.map_structure(lambda t: None if t is None else tf.convert_to_tensor(t),
                                  data)
+    k = check_examples_per_user(examples_per_user)
     if vectorize is None:
         vectorize = not onednn_enabled()
     if vectorize:
         leaves = tf.nest.flatten(data)  # tf.nest keeps None as a leaf
         present = [i for i, t in enumerate(leaves) if t is not None]
 
-        def per_example(tensors):
+        def per_unit(tensors):
             filled = list(leaves)
             for i, t in zip(present, tensors):
-                filled[i] = t[None]
-            example = tf.nest.pack_sequence_as(data, filled)
-            loss, grads = one_example_gradient(loss_fn, example, variables)
-            return tf.cast(loss, tf.float32), _global_norm(grads), grads
+                filled[i] = t if k > 1 else t[None]
+            unit = tf.nest.pack_sequence_as(data, filled)
+            losses, grads = one_example_gradient(loss_fn, unit, variables)
+            return losses, _global_norm(grads), grads
 
-        losses, norms, grads = tf.vectorized_map(per_example, [leaves[i] for i in present])
-        factors = clip_factors(norms, l2_norm_clip, slot_mask)
+        def by_user(t):
+            return t if k == 1 else tf.reshape(t, tf.concat([[-1, k], tf.shape(t)[1:]], 0))
+
+        losses, norms, grads = tf.vectorized_map(per_unit,
+                                                 [by_user(leaves[i]) for i in present])
+        units = None if slot_mask is None else user_slot_mask(slot_mask, k)
+        factors = clip_factors(norms, l2_norm_clip, units)
         return ClippedSum([tf.reduce_sum(scale_examples(g, factors), axis=0) for g in grads],
-                          norms, losses)
+                          norms, tf.reshape(losses, [-1]))
 
-    size = batch_size_of(data)
-    mask = tf.ones([size], tf.float32) if slot_mask is None else tf.cast(slot_mask, tf.float32)
+    size = batch_size_of(data) // k
+    mask = tf.ones([size], tf.float32) if slot_mask is None else user_slot_mask(slot_mask, k)
 
     def body(i, sums, losses, norms):
-        loss, grads = one_example_gradient(loss_fn, _one_example(data, i), variables)
+        rows, grads = one_example_gradient(loss_fn, _one_example(data, i, k), variables)
         norm = _global_norm(grads)
         factor = clip_factors(norm, l2_norm_clip, tf.gather(mask, i))
         sums = [s + scale_examples(g[None], factor[None])[0] for s, g in zip(sums, grads)]
-        return i + 1, sums, losses.write(i, tf.cast(loss, tf.float32)), norms.write(i, norm)
+        return i + 1, sums, losses.write(i, rows), norms.write(i, norm)
 
     sums = [tf.zeros(v.shape, tf.float32) for v in variables]
-    losses = tf.TensorArray(tf.float32, size=size, element_shape=[])
+    losses = tf.TensorArray(tf.float32, size=size, element_shape=[k])
     norms = tf.TensorArray(tf.float32, size=size, element_shape=[])
     _, sums, losses, norms = tf.while_loop(
         lambda i, *_: i < size, body, (tf.constant(0), sums, losses, norms),
         parallel_iterations=1)
-    return ClippedSum(sums, norms.stack(), losses.stack())
+    return ClippedSum(sums, norms.stack(), tf.reshape(losses.stack(), [-1]))

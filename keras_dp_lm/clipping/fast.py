@@ -76,9 +76,12 @@ from keras_dp_lm.clipping.ghost import _merge_lookups
 from keras_dp_lm.clipping.ghost import _sq_norm
 from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import UncoveredLayersError
+from keras_dp_lm.clipping.interface import check_examples_per_user
 from keras_dp_lm.clipping.interface import clip_factors
 from keras_dp_lm.clipping.interface import losses_and_outputs
 from keras_dp_lm.clipping.interface import scale_examples
+from keras_dp_lm.clipping.interface import sum_user_rows
+from keras_dp_lm.clipping.interface import user_slot_mask
 from keras_dp_lm.clipping.recording import _Plan
 from keras_dp_lm.clipping.recording import _Recorder
 from keras_dp_lm.clipping.recording import _recording
@@ -87,7 +90,8 @@ _LAST_DECISIONS = weakref.WeakKeyDictionary()
 _LAST_REASONS = weakref.WeakKeyDictionary()
 
 
-def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None):
+def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None,
+                     examples_per_user=1):
     """Per-example gradient norms and the sum of clipped per-example gradients.
 
     Args:
@@ -105,12 +109,19 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
             :class:`UncoveredLayersError` if any trainable variable is uncovered).
         slot_mask: optional ``[B]``, 0 on padding slots: their clip factor is 0,
             so they add exactly nothing to the clipped sum.
+        examples_per_user: ``k``; rows ``u*k .. u*k+k-1`` belong to user ``u``
+            and the unit that is clipped is the user: the norm and the clip
+            factor are those of the sum of the user's ``k`` per-example
+            gradients (every recorded contribution is regrouped from ``[B, T]``
+            to ``[B/k, k*T]`` rows, so ghost norms and book-keeping run
+            unchanged on users). ``B`` must be a multiple of ``k``.
 
     Returns:
         :class:`ClippedSum` ``(grads, norms, losses, outputs)``: ``grads``
         aligned with ``model.trainable_variables`` (clipped sum, no noise, not
         divided; zeros for variables the loss does not touch), ``norms``
-        ``[B]`` per-example global norms before clipping, ``losses`` ``[B]``,
+        ``[B/k]`` per-user (per-example when ``k == 1``) global norms before
+        clipping, ``losses`` ``[B]`` per example,
         ``outputs`` as described under ``loss_fn`` (else ``None``).
 
     Raises:
@@ -120,6 +131,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     """
     if method not in ("auto", "fast"):
         raise ValueError(f"method must be 'auto' or 'fast', got {method!r}")
+    k = check_examples_per_user(examples_per_user)
     plan = _Plan(model)
     if method == "fast" and plan.uncovered:
         raise UncoveredLayersError(plan.describe(plan.uncovered))
@@ -169,15 +181,22 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         for call, g in zip(calls, gz):
             call.g = tf.convert_to_tensor(g)
 
-    batch = _static(losses.shape[0]) if losses.shape.rank else None
-    B = batch if batch is not None else tf.shape(losses)[0]
-    sq = tf.zeros([B], tf.float32)
+    rows = _static(losses.shape[0]) if losses.shape.rank else None
+    B = rows if rows is not None else tf.shape(losses)[0]
+    if k > 1 and rows is not None and rows % k:
+        raise ValueError(f"The batch has {rows} rows, not a multiple of "
+                         f"examples_per_user={k}.")
+    units = B // k   # users (examples when k == 1): the rows of norms and factors
+    batch = None if rows is None else units
+    sq = tf.zeros([units], tf.float32)
     grams = _Grams()
     decisions = {}
-    per_example = {}   # id(var) -> [B, *var.shape]: clipped sum is sum_i c_i grad_i
+    per_example = {}   # id(var) -> [U, *var.shape]: clipped sum is sum_u c_u grad_u
     for key, contribs in list(by_var.items()):
         for c in contribs:
             c.prepare()
+            if k > 1:
+                c.regroup(k)
         contribs = by_var[key] = _merge_lookups(contribs)
         choice, keep = _choose(contribs, batch)
         decisions[_var_path(contribs[0].var)] = choice
@@ -189,11 +208,14 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     if exact:
         pe = per_example_gradients(loss_fn, data, exact, B)
         for v, g in zip(exact, pe):
+            g = sum_user_rows(g, k)
             per_example[id(v)] = g
             sq = sq + _sum_except_batch(tf.square(tf.cast(g, tf.float32)))
             decisions[_var_path(v)] = "exact"
 
     norms = tf.sqrt(sq)
+    if slot_mask is not None:
+        slot_mask = user_slot_mask(slot_mask, k)
     factors = clip_factors(norms, l2_norm_clip, slot_mask)
 
     def clipped_sums(safe):

@@ -20,6 +20,7 @@ from keras_dp_lm.clipping._common import _static
 from keras_dp_lm.clipping._common import _sum_except_batch
 from keras_dp_lm.clipping._common import _weighted_sum
 from keras_dp_lm.clipping.interface import scale_examples
+from keras_dp_lm.clipping.interface import sum_user_rows
 
 # Caps on the transient memory of one variable's norm computation.  Above the
 # cap the other method is used (if that one fits; else the smaller one).
@@ -27,6 +28,16 @@ _INSTANTIATE_MAX_BYTES = 256 * 2**20
 _GHOST_MAX_BYTES = 256 * 2**20
 # Sequence length assumed for cost decisions when it is not static.
 _DEFAULT_T = 512
+
+
+def _dims(t):
+    """``t``'s shape as a list: static ints where known, else scalar tensors."""
+    dynamic = tf.shape(t)
+    return [d if d is not None else dynamic[i] for i, d in enumerate(t.shape.as_list())]
+
+
+def _users(rows, k):
+    return rows // k if isinstance(rows, int) else None
 
 
 class _Call:
@@ -82,6 +93,23 @@ class _Linear:
         # vector summed, to float32 rounding (mixed_bfloat16 included).
         self.X, self.Y = (tf.cast(t, tf.float32) for t in self._factors(self.call.g))
 
+    def regroup(self, k):
+        """Rows of one user (``k`` consecutive examples) become one example:
+        ``[B, H, T, m] -> [B/k, H, k*T, m]``, so the norm is that of the
+        user's summed gradient and the clipped sum is unchanged in form."""
+        def group(t):
+            B, H, T, m = _dims(t)
+            static = t.shape.as_list()
+            t = tf.reshape(t, [-1, k, H, T, m])
+            if static[1] != 1:
+                t = tf.transpose(t, [0, 2, 1, 3, 4])
+            out = tf.reshape(t, [-1, H, k * T, m])
+            out.set_shape([_users(static[0], k), static[1],
+                           None if static[2] is None else k * static[2], static[3]])
+            return out
+        self.X, self.Y = group(self.X), group(self.Y)
+        self.T = None if self.T is None else k * self.T
+
     def inst_cost(self):
         return _or(self.H, 1) * _or(self.T, _DEFAULT_T) * _or(self.m, 1) * _or(self.n, 1)
 
@@ -133,6 +161,18 @@ class _Lookup:
         self.G = tf.reshape(g, [-1, _or(self.T, -1), self.d])
         self.ids = tf.reshape(tf.cast(self.ids_raw, tf.int32), [-1, _or(self.T, -1)])
         self.ids.set_shape(self.G.shape[:2])
+
+    def regroup(self, k):
+        """``[B, T] -> [B/k, k*T]``: one user's lookups as one example's. Ids
+        that are distinct within an example (positions) repeat across a
+        user's examples, so ``distinct`` no longer holds."""
+        B, T, d = _dims(self.G)
+        users, length = _users(self.G.shape[0], k), None if self.T is None else k * self.T
+        self.G = tf.reshape(self.G, [-1, k * T, d])
+        self.ids = tf.reshape(self.ids, [-1, k * T])
+        self.G.set_shape([users, length, self.d])
+        self.ids.set_shape([users, length])
+        self.T, self.distinct = length, False
 
     @classmethod
     def merged(cls, lookups):
@@ -208,6 +248,10 @@ class _PerExample:
 
     def prepare(self):
         self.P = tf.cast(self._fn(tf.convert_to_tensor(self.call.g)), tf.float32)
+
+    def regroup(self, k):
+        """``[B, ...] -> [B/k, ...]``: the sum of each user's ``k`` rows."""
+        self.P = sum_user_rows(self.P, k)
 
     def inst_cost(self):
         return _prod([_static(s) for s in self.var.shape]) or 1

@@ -95,6 +95,53 @@ def scale_examples(per_example, factors):
     return tf.where(factors > 0, per_example * factors, tf.zeros([], tf.float32))
 
 
+def check_examples_per_user(examples_per_user):
+    """``examples_per_user`` as a positive int (the rows of one privacy unit)."""
+    k = examples_per_user
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(
+            f"`examples_per_user` must be a positive integer, got {examples_per_user!r}.")
+    return k
+
+
+def sum_user_rows(per_example, examples_per_user):
+    """``[B, ...] -> [B / k, ...]``: the sum of each user's ``k`` consecutive rows.
+
+    Rows ``u * k .. u * k + k - 1`` belong to user ``u`` (the layout of
+    :func:`keras_dp_lm.data.poisson_user_batches`).
+
+    Example:
+        >>> from keras_dp_lm.clipping import sum_user_rows
+        >>> sum_user_rows([[1.0], [2.0], [3.0], [4.0]], 2).numpy().tolist()
+        [[3.0], [7.0]]
+    """
+    per_example = tf.convert_to_tensor(per_example)
+    k = check_examples_per_user(examples_per_user)
+    if k == 1:
+        return per_example
+    shape = tf.shape(per_example)
+    grouped = tf.reshape(per_example, tf.concat([[-1, k], shape[1:]], 0))
+    out = tf.reduce_sum(grouped, axis=1)
+    rows = per_example.shape[0]
+    out.set_shape([rows // k if rows is not None else None] + per_example.shape[1:])
+    return out
+
+
+def user_slot_mask(slot_mask, examples_per_user):
+    """``[B] -> [B / k]``: 1 for a user with at least one real slot, else 0.
+
+    Example:
+        >>> from keras_dp_lm.clipping import user_slot_mask
+        >>> user_slot_mask([1.0, 0.0, 0.0, 0.0], 2).numpy().tolist()
+        [1.0, 0.0]
+    """
+    slot_mask = tf.cast(slot_mask, tf.float32)
+    k = check_examples_per_user(examples_per_user)
+    if k == 1:
+        return slot_mask
+    return tf.reduce_max(tf.reshape(slot_mask, [-1, k]), axis=1)
+
+
 def batch_size_of(data):
     """Leading dimension of the first tensor in a nested structure."""
     first = next(t for t in tf.nest.flatten(data) if t is not None)

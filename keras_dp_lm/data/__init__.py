@@ -1,4 +1,5 @@
-"""Batches for DP-SGD: Poisson sampling, padding with a real-slot mask the DP step owns."""
+"""Batches for DP-SGD: Poisson sampling (of examples, or of users for
+user-level DP), padding with a real-slot mask the DP step owns."""
 
 from keras_dp_lm.data.poisson import OVERFLOW_MODES
 from keras_dp_lm.data.poisson import PADDING_MODES
@@ -10,9 +11,12 @@ from keras_dp_lm.data.poisson import padding_buckets
 from keras_dp_lm.data.poisson import poisson_batches
 from keras_dp_lm.data.poisson import split_real_slots
 from keras_dp_lm.data.poisson import suggest_max_batch_size
+from keras_dp_lm.data.users import poisson_user_batches
+from keras_dp_lm.data.users import records_per_user
 
 __all__ = ["OVERFLOW_MODES", "PADDING_MODES", "padding_buckets", "PoissonOverflowError", "attach_real_slots",
            "iter_poisson_batches", "overflow_probability", "poisson_batches",
+           "poisson_user_batches", "records_per_user",
            "split_real_slots", "suggest_max_batch_size"]
 
 from keras_dp_lm import _activate_if_pending  # noqa: E402

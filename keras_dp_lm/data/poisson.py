@@ -339,15 +339,19 @@ def _is_numeric(dtype):
 
 
 def _gather_slots(tensors, slots, count):
-    """The batch ``tensors[slots]`` with real-slot mask.
+    """The batch ``tensors[slots]`` with real-slot mask (the first ``count`` slots)."""
+    real = tf.range(tf.shape(slots)[0], dtype=tf.int32) < count
+    return _gather_masked(tensors, slots, tf.ensure_shape(real, slots.shape))
+
+
+def _gather_masked(tensors, slots, real):
+    """The batch ``tensors[slots]`` and its float32 real-slot mask ``real`` (bool).
 
     Padding slots hold public constants, never a record: 0 for numbers and the
     empty string for text. (Repeating a record would process it in every
     padded step, not with probability q: its content could then change the
     batch's shape or make the step fail.)
     """
-    real = tf.range(tf.shape(slots)[0], dtype=tf.int32) < count
-    real = tf.ensure_shape(real, slots.shape)
     out = []
     for tensor in tensors:
         batch = tf.gather(tensor, slots)
@@ -520,26 +524,35 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
 
     def gather(slots, count):
         out, real = _gather_slots(tensors, slots, count)
-        batch = tf.nest.pack_sequence_as(data, out)
-        if preprocessor is None:
-            if len(data) == 3:
-                x, y, weight = batch
-            else:
-                (x, y), weight = batch, None
-            return x, y, attach_real_slots(_float_weight(weight), real, rate)
-        processed = preprocessor(*batch)
-        x, y, weight = _unpack_preprocessed(processed)
-        _check_static_rows((x, y, weight))
-        with tf.control_dependencies(_check_rows((x, y, weight), tf.shape(slots)[0])):
-            real = tf.identity(real)
-        weight = _zero_padding_weight(_float_weight(weight), real)
-        return x, y, attach_real_slots(weight, real, rate)
+        return _finish_batch(data, out, real, rate, preprocessor)
 
     dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     # Handed to PrivacyAccountant(batches=dataset): the rate is stated once.
     dataset.sampling_rate, dataset.dataset_size = sampling_rate, n
     return dataset
+
+
+def _finish_batch(data, out, real, rate, preprocessor, examples_per_user=None):
+    """``(x, y, marked sample_weight)`` of gathered leaves ``out``: preprocessed
+    (row-wise) when a preprocessor is given, padding weights zeroed, the
+    real-slot mask (``[U, k]`` for user batches) and rate attached."""
+    batch = tf.nest.pack_sequence_as(data, out)
+    if preprocessor is None:
+        if len(data) == 3:
+            x, y, weight = batch
+        else:
+            (x, y), weight = batch, None
+        weight = _float_weight(weight)
+    else:
+        x, y, weight = _unpack_preprocessed(preprocessor(*batch))
+        _check_static_rows((x, y, weight))
+        with tf.control_dependencies(_check_rows((x, y, weight), tf.shape(real)[0])):
+            real = tf.identity(real)
+        weight = _zero_padding_weight(_float_weight(weight), real)
+    if examples_per_user is not None:
+        real = tf.reshape(real, [-1, examples_per_user])
+    return x, y, attach_real_slots(weight, real, rate)
 
 
 def _unpack_preprocessed(data):

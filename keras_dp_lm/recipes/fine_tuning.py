@@ -168,6 +168,22 @@ class DPRecipe:
         return data_lib.poisson_batches(data, self.sampling_rate, cap, seed=seed,
                                         num_steps=self.steps, **kwargs)
 
+    def poisson_user_batches(self, data, user_ids, examples_per_user, seed=None, **kwargs):
+        """:func:`keras_dp_lm.data.poisson_user_batches` at the recipe's rate and
+        steps, for a recipe made with ``dataset_size`` = the number of users."""
+        from keras_dp_lm import data as data_lib
+
+        cap = kwargs.pop("max_users", None) or self.max_batch_size()
+        dataset = data_lib.poisson_user_batches(
+            data, user_ids, self.sampling_rate, cap, examples_per_user, seed=seed,
+            num_steps=self.steps, **kwargs)
+        if dataset.dataset_size != self.dataset_size:
+            raise ValueError(
+                f"The recipe was made for {self.dataset_size} privacy units, but the "
+                f"records belong to {dataset.dataset_size} users: make the recipe with "
+                "dataset_size=<number of users>.")
+        return dataset
+
     def max_batch_size(self):
         """Padded batch cap: a draw above it over the whole run has probability at
         most ``overflow_probability``, whose delta the recipe reserved."""

@@ -15,7 +15,11 @@ step itself used (never from Python attributes read later):
   fixed-size batches, which the accountant accounts at
   ``max_real_batch / dataset_size``;
 * ``max_real_batch``: the largest number of real (non-padding) examples of a
-  logical batch in that row.
+  logical batch in that row (users, for user-level training).
+
+The ledger also holds its privacy unit (:attr:`PrivacyLedger.privacy_unit`):
+``"example"``, or ``"user"`` when the updates clipped each user's gradient
+(:func:`keras_dp_lm.data.poisson_user_batches`); the step refuses to mix them.
 
 Consecutive updates with the same sigma and q share a row. When the table is
 full, a new row is merged into the last one conservatively (smallest sigma,
@@ -42,6 +46,7 @@ from keras_dp_lm.training import keras_internals
 
 MAX_ROWS = 32
 _COLUMNS = 4  # sigma, q, max real batch, updates
+PRIVACY_UNITS = {"example": 1, "user": 2}  # the ledger's unit code (0: no update yet)
 
 
 class PrivacyLedger(keras_internals.KerasSaveable):
@@ -66,6 +71,10 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             self.violations = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_violations",
                 aggregation="only_first_replica")
+            # What one row of the batch dimension protects: PRIVACY_UNITS code.
+            self.unit = keras.Variable(
+                0, dtype="int64", trainable=False, name="dp_ledger_unit",
+                aggregation="only_first_replica")
             # 1 once fast clipping's example-independence probe has passed
             # (not saved: a reloaded model is probed again on its first batch).
             self.independence_checked = keras.Variable(
@@ -79,6 +88,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
     def save_own_variables(self, store):
         store["table"] = np.asarray(self.table.numpy())
         store["num_rows"] = np.asarray(self.num_rows.numpy())
+        store["unit"] = np.asarray(self.unit.numpy())
 
     def load_own_variables(self, store):
         # A file saved before any DP training (or by a plain Keras model) has
@@ -94,6 +104,10 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 "incompatible keras_dp_lm version.")
         self.table.assign(table)
         self.num_rows.assign(rows)
+        # Files from before user-level DP hold example-level updates only.
+        unit = (int(np.asarray(store["unit"])) if "unit" in list(store.keys())
+                else PRIVACY_UNITS["example"] if rows else 0)
+        self.unit.assign(unit)
 
     # -- reading ---------------------------------------------------------------
     def rows(self):
@@ -101,6 +115,13 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         table = np.asarray(self.table.numpy())
         count = int(self.num_rows.numpy())
         return [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
+
+    @property
+    def privacy_unit(self):
+        """``"example"``, ``"user"`` (what each update's clipping protected), or
+        ``None`` before the first update."""
+        code = int(self.unit.numpy())
+        return next((name for name, c in PRIVACY_UNITS.items() if c == code), None)
 
     @property
     def updates(self):
@@ -117,8 +138,9 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.limits.assign(np.zeros((3,)))
 
     # -- writing (inside the traced step) -------------------------------------
-    def check(self, noise_multiplier, sampling_rate, real_batch):
-        """``ok`` (bool tensor): the batch is within the accounted limits."""
+    def check(self, noise_multiplier, sampling_rate, real_batch, unit="example"):
+        """``ok`` (bool tensor): the batch is within the accounted limits, and
+        of the ledger's privacy unit (``"example"`` or ``"user"``)."""
         limits = tf.convert_to_tensor(self.limits.value)
         sigma = tf.constant(noise_multiplier, tf.float64)
         q = tf.cast(sampling_rate, tf.float64)
@@ -126,10 +148,15 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         sigma_ok = (limits[0] <= 0) | (sigma >= limits[0] * (1 - 1e-12))
         poisson_ok = (limits[1] <= 0) | (q <= limits[1] * (1 + 1e-9))
         fixed_ok = (limits[2] <= 0) | (batch <= limits[2] * (1 + 1e-9))
-        return sigma_ok & tf.where(q > 0, poisson_ok, fixed_ok)
+        code = tf.constant(PRIVACY_UNITS[unit], tf.int64)
+        held = tf.convert_to_tensor(self.unit.value)
+        unit_ok = tf.equal(held, 0) | tf.equal(held, code)
+        return sigma_ok & unit_ok & tf.where(q > 0, poisson_ok, fixed_ok)
 
-    def record(self, noise_multiplier, sampling_rate, real_batch, ok):
+    def record(self, noise_multiplier, sampling_rate, real_batch, ok, unit="example"):
         """Append one update (branch-free, so it runs in replica context and XLA)."""
+        held = tf.convert_to_tensor(self.unit.value)
+        self.unit.assign(tf.where(ok, tf.constant(PRIVACY_UNITS[unit], tf.int64), held))
         table = tf.convert_to_tensor(self.table.value)
         rows = tf.convert_to_tensor(self.num_rows.value)
         sigma = tf.constant(noise_multiplier, tf.float64)

@@ -43,11 +43,16 @@ tree = internals.tree
 ClippedBatch = collections.namedtuple("ClippedBatch", ["grads", "losses", "norms", "mask"])
 ClippedBatch.__doc__ = """The clipped sum of one logical batch (no noise).
 
-grads: list aligned with ``model.trainable_variables``: the sum over real slots
-    of ``min(1, C / ||g_i||) g_i``; padding slots contribute exactly zero.
-losses: ``[B]`` per-example losses (0 on padding slots).
-norms: ``[B]`` per-example gradient norms before clipping (0 on padding slots).
-mask: ``[B]`` float32, 1 for real examples and 0 for padding slots.
+grads: list aligned with ``model.trainable_variables``: the sum over real units
+    (examples, or users for user batches) of ``min(1, C / ||g_u||) g_u``;
+    padding slots contribute exactly zero.
+losses: ``[B]`` per-example losses (0 on padding slots); in a user batch each
+    is weighted by 1 / (its user's real examples), so a user's losses sum to
+    the user's mean loss.
+norms: per-unit gradient norms before clipping (0 for padding): ``[B]``, or
+    ``[B / k]`` per user for user batches.
+mask: ``[B]`` float32, 1 for real examples and 0 for padding slots (in a user
+    batch, rows ``u*k .. u*k+k-1`` are user ``u``).
 """
 
 
@@ -112,15 +117,33 @@ def _has_real_slots(data):
 
 
 def _unpack(data):
-    """``(x, y, sample_weight, real-slot mask, sampling rate)`` of a batch."""
+    """``(x, y, sample_weight, real-slot mask [B], sampling rate, examples_per_user)``.
+
+    A real-slot mask of shape ``[U, k]`` (from
+    :func:`keras_dp_lm.data.poisson_user_batches`) marks a user batch:
+    ``examples_per_user`` is then ``k``; else it is ``None``.
+    """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     mask, rate, sample_weight = split_real_slots(sample_weight)
     x, y, sample_weight = tree.map_structure(
         lambda t: None if t is None else tf.convert_to_tensor(t), (x, y, sample_weight))
     size = _batch_size((x, y, sample_weight))
+    per_user = None
     if mask is None:
         mask = tf.ones([size], tf.float32)
     else:
+        mask = tf.convert_to_tensor(mask)
+        if mask.shape.rank == 2:
+            per_user = mask.shape[1]
+            if per_user is None:
+                raise ValueError(
+                    "A user batch's real-slot mask [users, examples_per_user] needs a "
+                    "static examples_per_user (keras_dp_lm.data.poisson_user_batches "
+                    "gives one).")
+        elif mask.shape.rank != 1:
+            raise ValueError(
+                f"The real-slot mask must be [B] (examples) or [users, "
+                f"examples_per_user]; got shape {tuple(mask.shape)}.")
         mask = tf.cast(tf.reshape(mask, [-1]), tf.float32)
         mask_size = mask.shape[0]
         if isinstance(size, int) and mask_size is not None and mask_size != size:
@@ -128,7 +151,19 @@ def _unpack(data):
                 f"The batch has {size} slots but its real-slot mask has {mask_size}: "
                 "a preprocessing step changed the number of rows. keras_dp_lm "
                 "needs row-wise preprocessing (one output row per input row).")
-    return x, y, sample_weight, mask, rate
+    return x, y, sample_weight, mask, rate, per_user
+
+
+def _loss_weights(mask, examples_per_user):
+    """Per-row loss weights: the real-slot mask, divided in a user batch by the
+    user's number of real rows (each user's gradient is the mean over its
+    examples, computed from that user's rows alone)."""
+    k = examples_per_user
+    if k == 1:
+        return mask
+    per_user = tf.reshape(mask, [-1, k])
+    counts = tf.reduce_sum(per_user, axis=1, keepdims=True)
+    return tf.reshape(per_user / tf.maximum(counts, 1.0), [-1])
 
 
 def dp_clipped_gradient(model, data, update_metrics=False):
@@ -142,36 +177,43 @@ def dp_clipped_gradient(model, data, update_metrics=False):
     with ``sample_weight``. With ``update_metrics``, compiled metrics are
     updated from the outputs of the first micro-batch.
     """
-    x, y, sample_weight, mask, _ = _unpack(data)
-    return _clipped_batch(model, (x, y, sample_weight), mask, update_metrics)
+    x, y, sample_weight, mask, _, per_user = _unpack(data)
+    return _clipped_batch(model, (x, y, sample_weight), mask, update_metrics,
+                          per_user or 1)
 
 
-def _clipped_batch(model, batch, mask, update_metrics):
+def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
     optimizer = model.optimizer
+    k = examples_per_user
+    weights = _loss_weights(mask, k)
 
     def loss_fn(part):
-        (px, py, psw), pmask = part
+        (px, py, psw), pweight = part
         outputs = _model_outputs(model, px)
         losses = per_example_losses(model, px, py, outputs, psw)
-        return tf.where(pmask > 0, losses, tf.zeros_like(losses)), outputs
+        if k > 1:
+            losses = losses * tf.cast(pweight, losses.dtype)
+        return tf.where(pweight > 0, losses, tf.zeros_like(losses)), outputs
 
     def micro_clipped_sum(part):
         result = clipping_module.clipped_sum(
             model, loss_fn, part, optimizer.l2_norm_clip, method=optimizer.clipping,
-            slot_mask=part[1])
-        norms = result.norms * tf.cast(part[1], result.norms.dtype)
-        return result._replace(norms=norms)
+            slot_mask=part[1], examples_per_user=k)
+        real_units = clipping_module.user_slot_mask(part[1], k)
+        return result._replace(norms=result.norms * tf.cast(real_units, result.norms.dtype))
 
     num_micro = optimizer.dp_accumulation_steps
     if num_micro == 1:
         result = refusals.without_state_updates(
-            model, lambda: micro_clipped_sum((batch, mask)))
+            model, lambda: micro_clipped_sum((batch, weights)))
         if update_metrics:
             _update_metrics(model, batch, result.outputs)
         return ClippedBatch(result.grads, result.losses, result.norms, mask)
 
-    batch, mask = _pad_to_multiple(batch, mask, num_micro)
-    micro = _split_micro_batches((batch, mask), num_micro)
+    # Micro-batches split on user boundaries: pad whole users, k rows each.
+    batch, weights = _pad_to_multiple(batch, weights, num_micro * k)
+    mask = tf.cast(weights > 0, tf.float32)
+    micro = _split_micro_batches((batch, weights), num_micro)
     # The first micro-batch runs outside the loop so metrics (whose variables
     # may be created on first use) are never built inside control flow.
     first_part = _micro_batch(micro, 0)
@@ -203,9 +245,15 @@ def dp_train_step(model, data):
     ledger then records the sigma, sampling rate and real batch size this
     traced step used.
 
-    The loss in the logs is the mean per-example loss over the real examples
-    of the logical batch; other compiled metrics are computed on the first
-    micro-batch only. Neither is differentially private.
+    A user batch (real-slot mask ``[U, k]``, from
+    :func:`keras_dp_lm.data.poisson_user_batches`) is trained at the user
+    level: each user's gradient (the mean over its real examples) is clipped as
+    one unit, the optimizer divides by the expected number of users, and the
+    ledger counts users (and refuses to mix user and example updates).
+
+    The loss in the logs is the mean per-example (per-user) loss over the real
+    examples (users) of the logical batch; other compiled metrics are computed
+    on the first micro-batch only. Neither is differentially private.
     """
     optimizer = model.optimizer
     refusals.check_model(model)
@@ -218,7 +266,8 @@ def dp_train_step(model, data):
             optimizer.build(model.trainable_variables)
     sigma = float(optimizer.noise_multiplier)
     ledger = ledger_of(model)
-    x, y, sample_weight, mask, rate = _unpack(data)
+    x, y, sample_weight, mask, rate, per_user = _unpack(data)
+    unit = "user" if per_user is not None else "example"
     if _has_real_slots(data) and optimizer.expected_batch_size is None:
         raise ValueError(
             "These batches are padded (they carry a real-slot mask, e.g. from "
@@ -241,33 +290,38 @@ def dp_train_step(model, data):
         "Make each example's loss depend on that example alone, or compile the DP "
         "optimizer with clipping='exact' (each example differentiated alone)."])
     with tf.control_dependencies([refuse_mixing]):
-        result = _clipped_batch(model, (x, y, sample_weight), mask, update_metrics=True)
-    real = tf.reduce_sum(result.mask)
+        result = _clipped_batch(model, (x, y, sample_weight), mask, update_metrics=True,
+                                examples_per_user=per_user or 1)
+    # Real units: examples, or users (a user with any real slot) in a user batch.
+    local_size = tf.reduce_sum(
+        clipping_module.user_slot_mask(result.mask, per_user or 1))
+    real = local_size
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.num_replicas_in_sync > 1:
         real = ctx.all_reduce(tf.distribute.ReduceOp.SUM, real)
     rate = tf.constant(0.0, tf.float64) if rate is None else tf.cast(
         tf.reshape(rate, [-1])[0], tf.float64)
-    ok = ledger.check(sigma, rate, real) & independent
+    ok = ledger.check(sigma, rate, real, unit) & independent
     with tf.control_dependencies([refuse_mixing]):  # its message first
         ok = tf.identity(ok)
     check = tf.debugging.Assert(ok, [
         "keras_dp_lm refused a batch beyond what the accountant assumes "
         "(limits: noise_multiplier >=, sampling_rate <=, real batch <=; then this "
-        "batch's values). Pass the real batch_size / sampling_rate to "
-        "PrivacyAccountant, or feed batches that match it:",
-        ledger.limits.value, sigma, rate, real])
+        "batch's values), or of another privacy unit than the model's earlier "
+        "updates (example batches and user batches never mix in one ledger). Pass "
+        "the real batch_size / sampling_rate to PrivacyAccountant, or feed batches "
+        "that match it:",
+        ledger.limits.value, sigma, rate, real, "unit: " + unit])
     with tf.control_dependencies([check]):  # nothing below runs for a refused batch
         keep = tf.cast(ok, tf.float32)  # and under XLA, which drops asserts, it adds nothing
         grads = [g * tf.cast(keep, g.dtype) for g in result.grads]
-        local_size = tf.reduce_sum(result.mask)  # fixed-size batches: all slots real
         optimizer._apply_clipped_sum(grads, model.trainable_variables, local_size,
                                      public_gradients=_regularization_gradients(model))
-        ledger.record(sigma, rate, real, ok)
-    real_losses = tf.boolean_mask(result.losses, result.mask > 0)
+        ledger.record(sigma, rate, real, ok, unit)
+    # Mean loss per real unit (a user's weighted losses sum to its mean loss).
     internals.loss_tracker(model).update_state(
-        tf.reduce_mean(real_losses) if real_losses.shape[0] != 0 else 0.0,
-        sample_weight=tf.cast(tf.size(real_losses), tf.float32))
+        tf.reduce_sum(result.losses) / tf.maximum(local_size, 1.0),
+        sample_weight=local_size)
     logs = model.get_metrics_result()
     if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
         # Keras 3.15 averages logs across workers with reduce(MEAN, axis=0),

@@ -1,0 +1,186 @@
+"""Poisson sampling of USERS, for user-level DP-SGD.
+
+Many private corpora hold several records per person (a patient's notes, a
+speaker's lines, a user's messages). Example-level DP protects one record;
+a person with fifty records is then protected far less. User-level DP
+protects everything one person contributed:
+
+* every step includes each USER independently with probability ``q``
+  (:func:`poisson_user_batches`: a ``Binomial(U, q)`` count, then a uniform
+  subset of users), and feeds at most ``k = examples_per_user`` of a sampled
+  user's records, drawn uniformly from that user's records afresh each step;
+* the DP step clips each user's gradient (the mean over the user's real
+  records in the batch) to ``C`` as one unit, so adding or removing one user
+  with all their records moves the summed gradient by at most ``C``;
+* the accountant then counts users: sampling rate ``q``, noise multiplier
+  ``sigma``, steps; the reported epsilon is user-level
+  (``PrivacyAccountant(batches=dataset)`` reads the user count and rate from
+  the dataset).
+
+This is the user-level batch selection of jax-privacy / Charles et al. (2024,
+"Fine-tuning large language models with user-level differential privacy",
+"ELS/ULS"): here the user-level sampling variant, where the unit that is
+sampled and clipped is the user.
+
+Layout: a batch has ``U_b * k`` rows, user ``j`` of the batch in rows
+``j*k .. j*k+k-1`` (a user with fewer than ``k`` records fills the rest with
+inert padding slots); the real-slot mask is attached with shape ``[U_b, k]``,
+which is how the DP step recognises a user batch and learns ``k``. The
+number of users ``U_b`` is padded to a few buckets like
+:func:`~keras_dp_lm.data.poisson_batches`.
+"""
+
+import bisect
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dp_lm.accounting.overflow import overflow_probability
+from keras_dp_lm.accounting.overflow import suggest_max_batch_size
+from keras_dp_lm.clipping.interface import check_examples_per_user
+from keras_dp_lm.data.poisson import PoissonOverflowError
+from keras_dp_lm.data.poisson import _buckets
+from keras_dp_lm.data.poisson import _check_sampling
+from keras_dp_lm.data.poisson import _finish_batch
+from keras_dp_lm.data.poisson import _flatten_examples
+from keras_dp_lm.data.poisson import _gather_masked
+
+
+def _user_rows(user_ids, n):
+    """``[rows of user 0, rows of user 1, ...]`` (int64 arrays) for ``n`` records."""
+    user_ids = np.asarray(user_ids)
+    if user_ids.ndim != 1 or len(user_ids) != n:
+        raise ValueError(
+            f"`user_ids` must have one entry per record ({n}); got shape "
+            f"{tuple(user_ids.shape)}.")
+    _, inverse = np.unique(user_ids, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.flatnonzero(np.diff(inverse[order])) + 1
+    return [part.astype(np.int64) for part in np.split(order, bounds)]
+
+
+def _user_draws(users, q, cap, k, num_steps, overflow, rng, buckets):
+    """Per step ``(slots [B_b * k] int64, real [B_b * k] bool)``.
+
+    The only randomness: a ``Binomial(U, q)`` number of users, a uniform subset
+    of them, and for each a uniform subset of at most ``k`` of its records.
+    """
+    num_users = len(users)
+    for _ in range(num_steps):
+        count = int(rng.binomial(num_users, q))
+        if count > cap:
+            if overflow == "raise":
+                raise PoissonOverflowError(
+                    f"Poisson sampling drew {count} users, more than max_users={cap}; "
+                    "truncating would break the privacy analysis. Use a larger "
+                    "max_users (keras_dp_lm.data.suggest_max_batch_size) or "
+                    "overflow='truncate'.")
+            count = cap
+        chosen = np.sort(rng.choice(num_users, size=count, replace=False))
+        size = buckets[bisect.bisect_left(buckets, count)]
+        slots = np.zeros((size * k,), np.int64)
+        real = np.zeros((size * k,), bool)
+        for j, user in enumerate(chosen):
+            rows = users[user]
+            if len(rows) > k:
+                rows = np.sort(rng.choice(rows, size=k, replace=False))
+            slots[j * k:j * k + len(rows)] = rows
+            real[j * k:j * k + len(rows)] = True
+        yield slots, real
+
+
+def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
+                         examples_per_user, seed=None, num_steps=None, overflow="raise",
+                         padding="bucket", bucket_ratio=1.15, preprocessor=None):
+    """A ``tf.data.Dataset`` of Poisson-sampled USERS, for user-level DP training.
+
+    Like :func:`~keras_dp_lm.data.poisson_batches`, but the unit sampled (and,
+    in the DP step, clipped) is the user: each step includes each user with
+    probability ``sampling_rate`` and up to ``examples_per_user`` of its
+    records (uniformly drawn each step). See the module docstring for the
+    guarantee and the layout.
+
+    Args:
+        dataset_or_arrays: the records, as for ``poisson_batches``.
+        user_ids: one id per record (any hashable NumPy dtype): the privacy unit.
+        sampling_rate: q, the probability that a user is in a step.
+        max_users: the most users a batch holds; see
+            :func:`~keras_dp_lm.data.suggest_max_batch_size` (called with the
+            number of users).
+        examples_per_user: k, the most records of one user in one step.
+        seed, num_steps, overflow, padding, bucket_ratio, preprocessor: as for
+            ``poisson_batches`` (``num_steps`` defaults to ``ceil(1 / q)``).
+
+    The optimizer divides by the expected number of USERS:
+    ``DPAdam(..., expected_batch_size=q * num_users)``; the accountant reads
+    ``dataset.sampling_rate`` and ``dataset.dataset_size`` (the number of
+    users): ``PrivacyAccountant(..., batches=dataset)``.
+
+    Example:
+        >>> import numpy as np
+        >>> from keras_dp_lm.data import poisson_user_batches, split_real_slots
+        >>> x, y = np.arange(12.0).reshape(6, 2), np.zeros(6)
+        >>> users = np.array(["ann", "ann", "bob", "cy", "cy", "cy"])
+        >>> ds = poisson_user_batches((x, y), users, 0.9, max_users=3,
+        ...                           examples_per_user=2, seed=0, num_steps=2)
+        >>> xb, yb, marked = next(iter(ds))
+        >>> real, rate, _ = split_real_slots(marked)
+        >>> tuple(real.shape)[1], xb.shape[0] == 2 * real.shape[0], ds.dataset_size
+        (2, True, 3)
+    """
+    sampling_rate, max_users, num_steps = _check_sampling(
+        sampling_rate, max_users, overflow, num_steps)
+    k = check_examples_per_user(examples_per_user)
+    if preprocessor is not None and not callable(preprocessor):
+        raise ValueError(f"`preprocessor` must be callable, got {preprocessor!r}.")
+    data, leaves, n = _flatten_examples(dataset_or_arrays, raw=preprocessor is not None)
+    users = _user_rows(user_ids, n)
+    num_users = len(users)
+    if max_users > num_users:
+        max_users = num_users
+    risk = overflow_probability(num_users, sampling_rate, max_users, num_steps)
+    if risk > 1e-6:
+        warnings.warn(
+            f"max_users={max_users} is exceeded with probability {risk:.2g} in "
+            f"{num_steps} Poisson draws of {num_users} users (overflow={overflow!r}); "
+            f"suggest_max_batch_size(...) gives "
+            f"{suggest_max_batch_size(num_users, sampling_rate, num_steps)} for 1e-9.",
+            stacklevel=2)
+    rng = np.random.default_rng(seed)
+    buckets = _buckets(padding, num_users, sampling_rate, max_users, bucket_ratio)
+    rows = max_users * k if len(buckets) == 1 else None
+    tensors = [tf.constant(leaf) for leaf in leaves]
+
+    def generator():
+        return _user_draws(users, sampling_rate, max_users, k, num_steps, overflow, rng,
+                           buckets)
+
+    draws = tf.data.Dataset.from_generator(generator, output_signature=(
+        tf.TensorSpec((rows,), tf.int64), tf.TensorSpec((rows,), tf.bool)))
+    draws = draws.apply(tf.data.experimental.assert_cardinality(num_steps))
+    rate = tf.constant(sampling_rate, tf.float64)
+
+    def gather(slots, real):
+        out, mask = _gather_masked(tensors, slots, real)
+        return _finish_batch(data, out, mask, rate, preprocessor, examples_per_user=k)
+
+    dataset = draws.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    dataset = dataset.prefetch(tf.data.AUTOTUNE)
+    dataset.sampling_rate, dataset.dataset_size = sampling_rate, num_users
+    dataset.examples_per_user, dataset.num_records = k, n
+    return dataset
+
+
+def records_per_user(user_ids):
+    """Sorted record counts per user (to choose ``examples_per_user``).
+
+    Example:
+        >>> records_per_user(["a", "b", "a", "c", "a"]).tolist()
+        [1, 1, 3]
+    """
+    _, counts = np.unique(np.asarray(user_ids), return_counts=True)
+    return np.sort(counts)
+
+
+__all__ = ["poisson_user_batches", "records_per_user"]
