@@ -51,6 +51,26 @@ at most ``|V| / 2**64`` relative, negligible next to float64 epsilon.
 
 The guarantee covers the sampled tokens only; ``generate`` also returns the
 prompt verbatim.
+
+Public/private mixtures (issue 17): :class:`PublicMixtureSampler` decodes with
+a public causal LM and ``N`` private ones fine-tuned on disjoint shards of the
+private data (PMixED-style). Each private next-token distribution is pulled
+towards the public one onto a Rényi ball of radius ``beta`` (order ``alpha``),
+the results are averaged and a token is drawn with integer arithmetic only.
+Its guarantee is ``(epsilon, delta)``: a data-independent per-token RDP curve
+(:meth:`PublicMixtureSampler.rdp`, proof in
+:mod:`keras_dp_lm.samplers.public_mixture`), summed over tokens and converted
+with dp_accounting; :func:`ball_for_epsilon` / :func:`beta_for_epsilon` pick
+``beta`` (and ``alpha``) for a target epsilon per sequence, and ``DecodingBudget(total_epsilon, delta=...)`` keeps an RDP
+ledger that charges it (and ``DPSampler``) before generating::
+
+    from keras_dp_lm.samplers import (DecodingBudget, PublicMixtureSampler,
+                                      ball_for_epsilon)
+    alpha, beta = ball_for_epsilon(8.0, delta=1e-6, num_tokens=64,
+                                   num_models=len(private_lms))
+    public_lm.compile(sampler=PublicMixtureSampler(private_lms, beta=beta, alpha=alpha))
+    budget = DecodingBudget(total_epsilon=16.0, delta=1e-6)
+    budget.generate(public_lm, ["The patient"], max_length=70)  # charges 64 tokens
 """
 
 from keras_dp_lm.samplers.budget import BudgetExhaustedError
@@ -62,16 +82,30 @@ from keras_dp_lm.samplers.epsilon import lambda_for_epsilon
 from keras_dp_lm.samplers.epsilon import num_sampled_tokens
 from keras_dp_lm.samplers.epsilon import vocabulary_size_of
 from keras_dp_lm.samplers.perplexity import mixture_perplexity
+from keras_dp_lm.samplers.public_mixture import PublicMixtureSampler
+from keras_dp_lm.samplers.renyi import ball_for_epsilon
+from keras_dp_lm.samplers.renyi import beta_for_epsilon
+from keras_dp_lm.samplers.renyi import epsilon_for_rdp
+from keras_dp_lm.samplers.renyi import per_token_rdp
+from keras_dp_lm.samplers.renyi import renyi_divergence
+from keras_dp_lm.samplers.renyi import sequence_epsilon
 
 __all__ = [
     "BudgetExhaustedError",
     "DPSampler",
     "DecodingBudget",
+    "PublicMixtureSampler",
+    "ball_for_epsilon",
+    "beta_for_epsilon",
+    "epsilon_for_rdp",
     "epsilon_per_sequence",
     "epsilon_per_token",
     "lambda_for_epsilon",
     "mixture_perplexity",
     "num_sampled_tokens",
+    "per_token_rdp",
+    "renyi_divergence",
+    "sequence_epsilon",
     "vocabulary_size_of",
 ]
 

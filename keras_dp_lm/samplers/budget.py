@@ -1,11 +1,20 @@
-"""``DecodingBudget``: a total decoding epsilon, charged before each generation."""
+"""``DecodingBudget``: a total decoding epsilon, charged before each generation.
+
+Two modes: pure epsilon (``DecodingBudget(total_epsilon)``, :class:`DPSampler`
+only) and ``(epsilon, delta)`` with an RDP ledger
+(``DecodingBudget(total_epsilon, delta=...)``, for :class:`PublicMixtureSampler`
+and :class:`DPSampler`).
+"""
 
 import math
 
 import numpy as np
 from keras import ops
 
+from keras_dp_lm.samplers import renyi
 from keras_dp_lm.samplers.dp_sampler import DPSampler
+from keras_dp_lm.samplers.epsilon import epsilon_per_token
+from keras_dp_lm.samplers.public_mixture import PublicMixtureSampler
 from keras_dp_lm.samplers.epsilon import num_sampled_tokens
 from keras_dp_lm.samplers.epsilon import vocabulary_size_of
 
@@ -45,6 +54,19 @@ class DecodingBudget:
     Totals are compared with ``math.fsum`` of all charges, with a relative
     slack of 1e-12 for floating-point rounding.
 
+    ``(epsilon, delta)`` mode (``delta`` given): the budget keeps an RDP ledger
+    (the sum of every charge's RDP curve at ``orders``, default dp_accounting's
+    grid) and :attr:`spent` is its epsilon at ``delta`` by dp_accounting's
+    conversion. A :class:`PublicMixtureSampler` call is charged
+    ``tokens * sampler.rdp(orders)`` per sequence, a :class:`DPSampler` call
+    ``tokens * min(eps_token, a eps_token**2 / 2)`` per sequence (pure DP as RDP),
+    summed over the sequences of a call (``"sequential"``) or their element-wise
+    maximum (``"parallel"``); :meth:`charge` takes a pure epsilon,
+    :meth:`charge_rdp` a curve. A charge whose ledger would convert above
+    ``total_epsilon`` is refused and recorded nowhere, before anything is
+    generated. ``remaining`` is ``total_epsilon - spent`` (RDP charges do not add
+    up linearly in epsilon).
+
     Example (``budget.generate(causal_lm, prompts)`` charges, then generates):
         >>> from keras_dp_lm import testing
         >>> causal_lm = testing.tiny_gpt2_causal_lm(["To be, or not to be."],
@@ -60,7 +82,7 @@ class DecodingBudget:
 
     _RELATIVE_SLACK = 1e-12
 
-    def __init__(self, total_epsilon):
+    def __init__(self, total_epsilon, delta=None, orders=None):
         if isinstance(total_epsilon, bool) or not isinstance(
                 total_epsilon, (int, float, np.floating, np.integer)) \
                 or not math.isfinite(float(total_epsilon)) or float(total_epsilon) < 0:
@@ -68,10 +90,40 @@ class DecodingBudget:
                 f"`total_epsilon` must be a finite number >= 0. Received: {total_epsilon!r}")
         self.total_epsilon = float(total_epsilon)
         self._charges = []
+        if delta is None:
+            if orders is not None:
+                raise ValueError("`orders` needs `delta` (an (epsilon, delta) budget).")
+            self.delta = None
+            self.orders = None
+        else:
+            self.delta = renyi._check_delta(delta)
+            self.orders = tuple(float(a) for a in renyi._check_orders(orders))
+            self._rdp_charges = []
+
+    @property
+    def uses_rdp(self):
+        """Whether this is an ``(epsilon, delta)`` budget with an RDP ledger."""
+        return self.delta is not None
+
+    @property
+    def rdp_spent(self):
+        """The ledger: the summed RDP curve at :attr:`orders` (``(epsilon, delta)`` mode)."""
+        self._require_rdp("rdp_spent")
+        total = np.zeros(len(self.orders))
+        for curve in self._rdp_charges:
+            total = total + curve
+        return total
+
+    def _epsilon_of(self, rdp):
+        if not np.any(rdp > 0):
+            return 0.0
+        return renyi.epsilon_for_rdp(self.orders, rdp, self.delta)[0]
 
     @property
     def spent(self):
-        """Epsilon charged so far."""
+        """Epsilon charged so far (at :attr:`delta` in ``(epsilon, delta)`` mode)."""
+        if self.uses_rdp:
+            return self._epsilon_of(self.rdp_spent)
         return math.fsum(self._charges)
 
     @property
@@ -81,19 +133,62 @@ class DecodingBudget:
 
     @property
     def num_charges(self):
-        return len(self._charges)
+        return len(self._rdp_charges) if self.uses_rdp else len(self._charges)
+
+    def _require_rdp(self, what):
+        if not self.uses_rdp:
+            raise ValueError(
+                f"`{what}` needs an (epsilon, delta) budget: "
+                "DecodingBudget(total_epsilon, delta=...).")
+
+    def _check_rdp(self, rdp):
+        rdp = np.asarray(rdp, dtype="float64")
+        if rdp.shape != (len(self.orders),) or np.any(np.isnan(rdp)) or np.any(rdp < 0):
+            raise ValueError(
+                f"`rdp` must be a non-negative curve with one value per order "
+                f"({len(self.orders)}). Received shape {rdp.shape}.")
+        return rdp
 
     def can_afford(self, epsilon):
         """Whether :meth:`charge` of ``epsilon`` would succeed."""
         epsilon = self._check_epsilon(epsilon)
+        if self.uses_rdp:
+            return self.can_afford_rdp(renyi.pure_dp_rdp(epsilon, self.orders))
         new_total = math.fsum(self._charges + [epsilon])
         return new_total <= self.total_epsilon * (1.0 + self._RELATIVE_SLACK)
+
+    def can_afford_rdp(self, rdp):
+        """Whether :meth:`charge_rdp` of this curve would succeed."""
+        self._require_rdp("can_afford_rdp")
+        rdp = self._check_rdp(rdp)
+        new_epsilon = self._epsilon_of(self.rdp_spent + rdp)
+        return new_epsilon <= self.total_epsilon * (1.0 + self._RELATIVE_SLACK)
+
+    def charge_rdp(self, rdp):
+        """Add an RDP curve (at :attr:`orders`) to the ledger; raise
+        :class:`BudgetExhaustedError` (charging nothing) if the ledger would then
+        convert above ``total_epsilon`` at ``delta``. Returns the remaining epsilon."""
+        self._require_rdp("charge_rdp")
+        rdp = self._check_rdp(rdp)
+        if not self.can_afford_rdp(rdp):
+            raise BudgetExhaustedError(
+                f"Decoding budget exhausted: with this request the ledger would reach "
+                f"epsilon={self._epsilon_of(self.rdp_spent + rdp):.6g} at "
+                f"delta={self.delta:.3g}, above total_epsilon={self.total_epsilon:.6g} "
+                f"(spent {self.spent:.6g} in {self.num_charges} charge(s)). Nothing was "
+                f"generated. Use fewer new tokens (smaller max_length), a smaller beta / "
+                f"lambda_, or a new budget for a different protected record.")
+        self._rdp_charges.append(rdp)
+        return self.remaining
 
     def charge(self, epsilon):
         """Record ``epsilon`` spent; raise :class:`BudgetExhaustedError` (charging
         nothing) if it would take the total past ``total_epsilon``. Returns the
-        remaining epsilon."""
+        remaining epsilon. (In ``(epsilon, delta)`` mode a pure ``epsilon`` is charged
+        as the RDP curve of one ``epsilon``-DP mechanism.)"""
         epsilon = self._check_epsilon(epsilon)
+        if self.uses_rdp:
+            return self.charge_rdp(renyi.pure_dp_rdp(epsilon, self.orders))
         if not self.can_afford(epsilon):
             raise BudgetExhaustedError(
                 f"Decoding budget exhausted: this request costs epsilon={epsilon:.6g} "
@@ -112,17 +207,51 @@ class DecodingBudget:
             raise ValueError(f"`epsilon` must be a finite number >= 0. Received: {epsilon!r}")
         return float(epsilon)
 
-    def epsilon_for(self, causal_lm, prompts, max_length=None, composition="sequential"):
-        """What :meth:`generate` would charge for these arguments (charges nothing)."""
+    def rdp_for(self, causal_lm, prompts, max_length=None, composition="sequential"):
+        """The RDP curve (at :attr:`orders`) :meth:`generate` would charge
+        (``(epsilon, delta)`` mode; charges nothing)."""
+        self._require_rdp("rdp_for")
+        sampler = self._sampler_of(causal_lm, composition)
+        max_length, prompt_lengths = _prompt_lengths(causal_lm, prompts, max_length)
+        if isinstance(sampler, PublicMixtureSampler):
+            per_token = sampler.rdp(self.orders)
+        else:
+            eps_token = epsilon_per_token(sampler.applied_lambda(),
+                                          vocabulary_size_of(causal_lm))
+            per_token = renyi.pure_dp_rdp(eps_token, self.orders)
+        # 0 tokens cost nothing, also at orders where the per-token curve is inf.
+        curves = [t * per_token if t > 0 else np.zeros(len(self.orders)) for t in
+                  (num_sampled_tokens(max_length, n) for n in prompt_lengths)]
+        if not curves:
+            return np.zeros(len(self.orders))
+        if composition == "sequential":
+            return np.sum(curves, axis=0)
+        return np.max(curves, axis=0)
+
+    def _sampler_of(self, causal_lm, composition):
         sampler = getattr(causal_lm, "sampler", None)
-        if not isinstance(sampler, DPSampler):
+        if isinstance(sampler, PublicMixtureSampler) and not self.uses_rdp:
             raise ValueError(
-                "DecodingBudget.generate needs a model compiled with a DPSampler, "
-                f"got sampler={sampler!r}. Call "
+                "A PublicMixtureSampler is (epsilon, delta)-DP, not pure epsilon-DP: "
+                "charge it to DecodingBudget(total_epsilon, delta=...).")
+        if not isinstance(sampler, (DPSampler, PublicMixtureSampler)):
+            raise ValueError(
+                "DecodingBudget.generate needs a model compiled with a DPSampler or a "
+                f"PublicMixtureSampler, got sampler={sampler!r}. Call "
                 "`causal_lm.compile(sampler=keras_dp_lm.DPSampler(lambda_=...))` first.")
         if composition not in ("parallel", "sequential"):
             raise ValueError(
                 f"`composition` must be 'parallel' or 'sequential'. Received: {composition!r}")
+        return sampler
+
+    def epsilon_for(self, causal_lm, prompts, max_length=None, composition="sequential"):
+        """What :meth:`generate` would charge for these arguments (charges nothing).
+
+        In ``(epsilon, delta)`` mode: the epsilon at ``delta`` of this call alone
+        (the ledger is charged its RDP curve, :meth:`rdp_for`)."""
+        if self.uses_rdp:
+            return self._epsilon_of(self.rdp_for(causal_lm, prompts, max_length, composition))
+        sampler = self._sampler_of(causal_lm, composition)
         max_length, prompt_lengths = _prompt_lengths(causal_lm, prompts, max_length)
         vocabulary_size = vocabulary_size_of(causal_lm)
         per_sequence = [sampler.epsilon_per_sequence(
@@ -141,21 +270,33 @@ class DecodingBudget:
         Raises :class:`BudgetExhaustedError` before generating anything if
         the charge does not fit. Extra keyword arguments go to ``generate``.
         """
-        epsilon = self.epsilon_for(causal_lm, prompts, max_length, composition)
-        self.charge(epsilon)
+        if self.uses_rdp:
+            self.charge_rdp(self.rdp_for(causal_lm, prompts, max_length, composition))
+        else:
+            self.charge(self.epsilon_for(causal_lm, prompts, max_length, composition))
         return causal_lm.generate(prompts, max_length=max_length, **generate_kwargs)
 
     def get_config(self):
-        return {"total_epsilon": self.total_epsilon, "charges": list(self._charges)}
+        if not self.uses_rdp:
+            return {"total_epsilon": self.total_epsilon, "charges": list(self._charges)}
+        return {"total_epsilon": self.total_epsilon, "delta": self.delta,
+                "orders": list(self.orders),
+                "rdp_charges": [[float(x) for x in c] for c in self._rdp_charges]}
 
     @classmethod
     def from_config(cls, config):
-        budget = cls(config["total_epsilon"])
+        budget = cls(config["total_epsilon"], delta=config.get("delta"),
+                     orders=config.get("orders"))
         for epsilon in config.get("charges", []):
             budget._charges.append(cls._check_epsilon(epsilon))
+        for curve in config.get("rdp_charges", []):
+            budget._rdp_charges.append(budget._check_rdp(curve))
         return budget
 
     def __repr__(self):
+        if self.uses_rdp:
+            return (f"DecodingBudget(total_epsilon={self.total_epsilon!r}, "
+                    f"delta={self.delta!r}, spent={self.spent!r})")
         return (f"DecodingBudget(total_epsilon={self.total_epsilon!r}, "
                 f"spent={self.spent!r})")
 
