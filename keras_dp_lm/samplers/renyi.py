@@ -29,8 +29,13 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 # -- constants shared by the traced sampler and this reference ---------------
 
-#: Orders of the RDP ledger unless told otherwise: dp_accounting's default grid.
-DEFAULT_ORDERS = tuple(float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+#: Orders :func:`ball_for_epsilon` chooses the ball's order from.
+BALL_ALPHAS = (3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
+
+#: Orders of the RDP ledger unless told otherwise: dp_accounting's default grid plus
+#: :data:`BALL_ALPHAS` (a ball's own order is where its curve is best converted).
+DEFAULT_ORDERS = tuple(sorted(
+    {float(a) for a in rdp_privacy_accountant.DEFAULT_RDP_ORDERS} | set(BALL_ALPHAS)))
 
 #: Bisection steps of the projection: ``lam`` is found to within 2**-40.
 BISECTION_STEPS = 40
@@ -347,9 +352,6 @@ def beta_for_epsilon(epsilon, delta, num_tokens, num_models=1, alpha=8.0, orders
             hi = mid
     return lo
 
-
-#: Orders :func:`ball_for_epsilon` chooses from.
-BALL_ALPHAS = (3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
 
 
 def _proxy_pair(vocabulary_size=256):
