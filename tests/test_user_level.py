@@ -377,3 +377,84 @@ def test_fit_with_user_batches_reports_user_level_epsilon(tmp_path):
     statement = accountant.statement()
     assert accountant.report()["privacy_unit"] == "user"
     assert "for each user (all of its examples)" in statement and "of 60 users" in statement
+
+
+# ---------------------------------------------------------------------------
+# Review findings (a separate privacy review of the user-level path)
+
+
+def _compiled(expected=1.0):
+    model = classifier()
+    model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=0.5, noise_multiplier=0.0,
+                                      expected_batch_size=expected),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_user_batches_without_a_user_rate_are_refused():
+    """Without the rate, fixed-size accounting would divide users by records."""
+    x, y, _ = user_records()
+    step = kdp.make_private(_compiled())
+    with pytest.raises(ValueError, match="Poisson-sampled"):
+        step((x[:6], y[:6], kdp.data.attach_real_slots(None, np.ones((3, 2), "float32"))))
+
+
+def test_fractional_mask_values_count_whole_units():
+    x, y, _ = user_records()
+    model = _compiled()
+    mask = np.full((4, 2), 0.5, "float32")
+    kdp.make_private(model)((x[:8], y[:8], kdp.data.attach_real_slots(None, mask, 0.5)))
+    assert kdp.ledger_of(model).rows() == [(0.0, 0.5, 4.0, 1)]
+
+
+def test_a_mask_that_does_not_match_the_rows_at_run_time_is_refused():
+    """Unknown batch dimension: a [1, 1] mask must not broadcast over 6 rows."""
+    x, y, _ = user_records()
+    model = _compiled()
+
+    def batches(mask):
+        ds = tf.data.Dataset.from_generator(lambda: iter([(x[:6], y[:6], mask)]),
+                                            output_signature=(
+            tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.int64),
+            tf.TensorSpec([None, mask.shape[1]], tf.float32)))
+        return ds.map(lambda a, b, c: (a, b, kdp.data.attach_real_slots(None, c, 0.1)))
+
+    before = [np.asarray(v).copy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one entry per row"):
+        model.fit(batches(np.ones((1, 1), "float32")), verbose=0)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(np.asarray(v), b)
+    model = _compiled()   # (a new k on the same model would relax the traced shape)
+    model.fit(batches(np.ones((2, 3), "float32")), verbose=0)
+    assert kdp.ledger_of(model).rows() == [(0.0, pytest.approx(0.1), 2.0, 1)]
+
+
+def test_reported_per_user_norms_are_the_clipped_norms_and_padding_users_zero():
+    from keras_dp_lm.training import dp_clipped_gradient
+    x, y, _ = user_records(seed=7)
+    x, y = x[:8].copy(), y[:8]
+    x[6:] = np.nan                                   # a padding user holding NaN
+    real = np.array([[1, 0], [1, 1], [1, 0], [0, 0]], "float32")
+    model = _compiled()
+    result = dp_clipped_gradient(model, (x, y, kdp.data.attach_real_slots(None, real, 0.5)))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    expected = []
+    for u in range(3):
+        rows = np.flatnonzero(real[u]) + 2 * u
+        with tf.GradientTape() as tape:
+            value = loss(y[rows], model(x[rows], training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        expected.append(np.sqrt(sum(float(np.sum(np.square(g))) for g in grads)))
+    np.testing.assert_allclose(np.asarray(result.norms), expected + [0.0], rtol=1e-5)
+
+
+def test_group_privacy_on_a_user_level_ledger_is_refused():
+    x, y, user_ids = user_records(seed=8, users=30)
+    ds = poisson_user_batches((x, y), user_ids, 0.2, max_users=20, examples_per_user=2,
+                              seed=8, num_steps=2)
+    model = _compiled(expected=6.0)
+    accountant = kdp.PrivacyAccountant(delta=1e-3, batches=ds, examples_per_user=3)
+    model.fit(ds, verbose=0)
+    accountant.set_model(model)
+    with pytest.raises(ValueError, match="user-level already"):
+        accountant.report()

@@ -511,6 +511,12 @@ class PrivacyAccountant(keras.callbacks.Callback):
         rows = [row for row in self._rows() if row[3]]
         count = sum(row[3] for row in rows)
         config = self._config
+        unit = _ledger(self.model).privacy_unit or "example"
+        if unit == "user" and self.examples_per_user is not None:
+            raise ValueError(
+                "examples_per_user= adds a group-privacy epsilon to EXAMPLE-level "
+                "training; this model's updates clipped whole users (user batches), so "
+                "its epsilon is user-level already: drop examples_per_user.")
         key = (tuple(rows), config["sampling"], config["batch_size"])
         if self._report_cache[0] == key:
             return copy.deepcopy(self._report_cache[1])
@@ -540,7 +546,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
             "steps_per_execution": config["steps_per_execution"],
             "gradient_accumulation_steps": config["gradient_accumulation_steps"],
             "stopped_at": self.stopped_at,
-            "privacy_unit": _ledger(self.model).privacy_unit or "example",
+            "privacy_unit": unit,
         })
         self._report_cache = (key, copy.deepcopy(report))
         return report

@@ -133,6 +133,12 @@ def _unpack(data):
         mask = tf.ones([size], tf.float32)
     else:
         mask = tf.convert_to_tensor(mask)
+        if mask.shape.rank is None:
+            raise ValueError(
+                "The real-slot mask has an unknown rank (Keras relaxed the traced shapes "
+                "after batches of different kinds): a model trains on example batches "
+                "(mask [B]) or on user batches (mask [users, examples_per_user], one "
+                "examples_per_user), not both.")
         if mask.shape.rank == 2:
             per_user = mask.shape[1]
             if per_user is None:
@@ -144,14 +150,36 @@ def _unpack(data):
             raise ValueError(
                 f"The real-slot mask must be [B] (examples) or [users, "
                 f"examples_per_user]; got shape {tuple(mask.shape)}.")
-        mask = tf.cast(tf.reshape(mask, [-1]), tf.float32)
+        # A slot is real or padding: 0/1, whatever values the mask holds (a
+        # fractional mask must not shrink the counted batch).
+        mask = tf.cast(tf.reshape(mask, [-1]) > 0, tf.float32)
         mask_size = mask.shape[0]
         if isinstance(size, int) and mask_size is not None and mask_size != size:
             raise ValueError(
                 f"The batch has {size} slots but its real-slot mask has {mask_size}: "
                 "a preprocessing step changed the number of rows. keras_dp_lm "
                 "needs row-wise preprocessing (one output row per input row).")
+        if not isinstance(size, int) or mask_size is None:
+            mask = _one_per_row(mask, size)
     return x, y, sample_weight, mask, rate, per_user
+
+
+def _one_per_row(mask, rows):
+    """``mask`` checked at run time to have one entry per row.
+
+    A smaller mask must never broadcast over the rows (one user's slot would
+    then cover all of them). In graph mode a mismatch raises; under XLA, which
+    drops assertions, the mask becomes all padding, so the step adds nothing
+    but noise. (``tf.reshape(mask, [rows])`` is not enough: grappler removes
+    a reshape between two shapes it cannot tell apart.)
+    """
+    count = tf.size(mask)
+    check = tf.debugging.assert_equal(
+        count, rows, message="keras_dp_lm: the real-slot mask must have one entry per "
+                             "row of the batch (row-wise preprocessing)")
+    with tf.control_dependencies([check]):
+        index = tf.minimum(tf.range(rows), tf.maximum(count - 1, 0))
+        return tf.gather(mask, index) * tf.cast(tf.equal(count, rows), mask.dtype)
 
 
 def _loss_weights(mask, examples_per_user):
@@ -199,8 +227,9 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
         result = clipping_module.clipped_sum(
             model, loss_fn, part, optimizer.l2_norm_clip, method=optimizer.clipping,
             slot_mask=part[1], examples_per_user=k)
-        real_units = clipping_module.user_slot_mask(part[1], k)
-        return result._replace(norms=result.norms * tf.cast(real_units, result.norms.dtype))
+        real_units = clipping_module.user_slot_mask(part[1], k) > 0
+        return result._replace(norms=tf.where(real_units, result.norms,
+                                              tf.zeros([], result.norms.dtype)))
 
     num_micro = optimizer.dp_accumulation_steps
     if num_micro == 1:
@@ -268,6 +297,13 @@ def dp_train_step(model, data):
     ledger = ledger_of(model)
     x, y, sample_weight, mask, rate, per_user = _unpack(data)
     unit = "user" if per_user is not None else "example"
+    if per_user is not None and rate is None:
+        raise ValueError(
+            "User batches (a [users, examples_per_user] real-slot mask) must carry the "
+            "rate their users were Poisson-sampled at, so that the ledger and the "
+            "accountant count users, never records: build them with "
+            "keras_dp_lm.data.poisson_user_batches (or attach_real_slots(..., "
+            "sampling_rate=q) with q the per-user inclusion probability).")
     if _has_real_slots(data) and optimizer.expected_batch_size is None:
         raise ValueError(
             "These batches are padded (they carry a real-slot mask, e.g. from "
