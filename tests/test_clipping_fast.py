@@ -15,7 +15,7 @@ import keras
 import keras_hub
 
 from keras_dp_lm import clipping as fc
-from keras_dp_lm.clipping import ghost
+from reference import token_loss
 
 RTOL = 1e-4
 
@@ -75,14 +75,6 @@ def assert_matches(model, loss_fn, data, fn=fc.fast_clipped_sum, method="auto"):
     return result
 
 
-def token_loss(model, ids, mask):
-    """Per-example next-token CE, padding-weighted, normalised by the example's own tokens."""
-    logits = model({"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}, training=True)
-    weights = tf.cast(mask[:, 1:], tf.float32)
-    ce = keras.losses.sparse_categorical_crossentropy(ids[:, 1:], logits, from_logits=True)
-    return tf.reduce_sum(ce * weights, axis=1) / tf.reduce_sum(weights, axis=1)
-
-
 def padded_tokens(rng, batch, length, vocab):
     ids = rng.integers(1, vocab, (batch, length)).astype("int32")
     mask = np.ones((batch, length), "int32")
@@ -104,17 +96,6 @@ def classification_loss(model):
         return keras.losses.sparse_categorical_crossentropy(
             y, model(x, training=True), from_logits=True)
     return loss_fn
-
-
-@pytest.fixture
-def force(monkeypatch, request):
-    """Force every linear layer's norm to one method by closing the other's memory cap."""
-    mode = getattr(request, "param", None)
-    if mode == "ghost":
-        monkeypatch.setattr(ghost, "_INSTANTIATE_MAX_BYTES", -1)
-    elif mode == "instantiate":
-        monkeypatch.setattr(ghost, "_GHOST_MAX_BYTES", -1)
-    return mode
 
 
 # ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import keras
 import keras_hub
 
 from keras_dp_lm import clipping as fc
-from keras_dp_lm.clipping import ghost
+from reference import token_loss
 
 RTOL = 1e-4
 
@@ -61,23 +61,6 @@ def assert_user_level_matches(model, loss_fn, data, k, fn=fc.clipped_sum, method
     assert err <= RTOL * total, (err, total)
     assert np.asarray(result.losses).shape == (len(tf.nest.flatten(data)[0]),)
     return result
-
-
-@pytest.fixture
-def force(monkeypatch, request):
-    mode = getattr(request, "param", None)
-    if mode == "ghost":
-        monkeypatch.setattr(ghost, "_INSTANTIATE_MAX_BYTES", -1)
-    elif mode == "instantiate":
-        monkeypatch.setattr(ghost, "_GHOST_MAX_BYTES", -1)
-    return mode
-
-
-def token_loss(model, ids, mask):
-    logits = model({"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}, training=True)
-    weights = tf.cast(mask[:, 1:], tf.float32)
-    ce = keras.losses.sparse_categorical_crossentropy(ids[:, 1:], logits, from_logits=True)
-    return tf.reduce_sum(ce * weights, axis=1) / tf.reduce_sum(weights, axis=1)
 
 
 def tokens(rng, batch, length, vocab):

@@ -282,20 +282,22 @@ def _buckets(padding, n, q, cap, ratio):
     return [cap] if padding == "max" else padding_buckets(n, q, cap, ratio)
 
 
-def _draws(n, q, cap, num_steps, overflow, rng, buckets):
-    """Per step: ``(index, size)``, the sorted drawn example indices and the padded size.
+def _draws(n, q, cap, num_steps, overflow, rng, buckets, unit=("examples", "max_batch_size")):
+    """Per step: ``(index, size)``, the sorted drawn example (or user) indices and
+    the padded size; ``unit`` names them and the cap in the overflow error.
 
     The only randomness of the sampler; the NumPy generator and the
     ``tf.data`` pipeline both consume it, so a seed gives the same draws.
     """
+    units, cap_name = unit
     for _ in range(num_steps):
         count = int(rng.binomial(n, q))
         if count > cap:
             if overflow == "raise":
                 raise PoissonOverflowError(
-                    f"Poisson sampling drew {count} examples, more than "
-                    f"max_batch_size={cap}; truncating would break the privacy "
-                    "analysis. Use a larger max_batch_size "
+                    f"Poisson sampling drew {count} {units}, more than "
+                    f"{cap_name}={cap}; truncating would break the privacy "
+                    f"analysis. Use a larger {cap_name} "
                     "(keras_dp_lm.data.suggest_max_batch_size) or "
                     "overflow='truncate' (see the module docstring).")
             count = cap

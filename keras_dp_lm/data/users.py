@@ -30,7 +30,6 @@ number of users ``U_b`` is padded to a few buckets like
 :func:`~keras_dp_lm.data.poisson_batches`.
 """
 
-import bisect
 import warnings
 
 import numpy as np
@@ -39,9 +38,9 @@ import tensorflow as tf
 from keras_dp_lm.accounting.overflow import overflow_probability
 from keras_dp_lm.accounting.overflow import suggest_max_batch_size
 from keras_dp_lm.clipping.interface import check_examples_per_user
-from keras_dp_lm.data.poisson import PoissonOverflowError
 from keras_dp_lm.data.poisson import _buckets
 from keras_dp_lm.data.poisson import _check_sampling
+from keras_dp_lm.data.poisson import _draws
 from keras_dp_lm.data.poisson import _finish_batch
 from keras_dp_lm.data.poisson import _flatten_examples
 from keras_dp_lm.data.poisson import _gather_masked
@@ -66,19 +65,8 @@ def _user_draws(users, q, cap, k, num_steps, overflow, rng, buckets):
     The only randomness: a ``Binomial(U, q)`` number of users, a uniform subset
     of them, and for each a uniform subset of at most ``k`` of its records.
     """
-    num_users = len(users)
-    for _ in range(num_steps):
-        count = int(rng.binomial(num_users, q))
-        if count > cap:
-            if overflow == "raise":
-                raise PoissonOverflowError(
-                    f"Poisson sampling drew {count} users, more than max_users={cap}; "
-                    "truncating would break the privacy analysis. Use a larger "
-                    "max_users (keras_dp_lm.data.suggest_max_batch_size) or "
-                    "overflow='truncate'.")
-            count = cap
-        chosen = np.sort(rng.choice(num_users, size=count, replace=False))
-        size = buckets[bisect.bisect_left(buckets, count)]
+    for chosen, size in _draws(len(users), q, cap, num_steps, overflow, rng, buckets,
+                               unit=("users", "max_users")):
         slots = np.zeros((size * k,), np.int64)
         real = np.zeros((size * k,), bool)
         for j, user in enumerate(chosen):

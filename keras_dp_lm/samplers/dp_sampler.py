@@ -31,6 +31,29 @@ def _entropy_seed():
     return int.from_bytes(os.urandom(8), "little") % _SEED_WORD_RANGE
 
 
+def _check_temperature_and_seed(temperature, seed):
+    """Refuse a non-finite / non-positive ``temperature`` and a non-integer ``seed``."""
+    if isinstance(temperature, bool) or not isinstance(
+            temperature, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(float(temperature)) or float(temperature) <= 0:
+        raise ValueError(
+            f"`temperature` must be a finite number > 0. Received: {temperature!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(
+            seed, (int, np.integer))):
+        raise ValueError(f"`seed` must be an int or None. Received: {seed!r}")
+
+
+def _seed_generator(seed):
+    """A ``SeedGenerator`` from ``seed``, or with both words of its state from OS
+    entropy (~62 bits) when ``seed`` is None: a guessable seed would let an
+    observer replay the draws."""
+    initial = seed if seed is not None else _entropy_seed()
+    generator = keras.random.SeedGenerator(initial)
+    if seed is None:
+        generator.state.assign(np.array([initial, _entropy_seed()], dtype="int64"))
+    return generator
+
+
 @keras.saving.register_keras_serializable(package="keras_dp_lm")
 class DPSampler(Sampler):
     """KerasHub sampler drawing each token from ``lambda_*q + (1-lambda_)*u``.
@@ -84,14 +107,7 @@ class DPSampler(Sampler):
 
     def __init__(self, lambda_, temperature=1.0, seed=None, **kwargs):
         lambda_ = _check_lambda(lambda_)
-        if isinstance(temperature, bool) or not isinstance(
-                temperature, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(float(temperature)) or float(temperature) <= 0:
-            raise ValueError(
-                f"`temperature` must be a finite number > 0. Received: {temperature!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(
-                seed, (int, np.integer))):
-            raise ValueError(f"`seed` must be an int or None. Received: {seed!r}")
+        _check_temperature_and_seed(temperature, seed)
         super().__init__(temperature=float(temperature), **kwargs)
         # The traced sampler reads the coin threshold from this variable at run
         # time, so changing ``lambda_`` after ``generate`` was traced changes what
@@ -101,13 +117,7 @@ class DPSampler(Sampler):
             name="dp_sampler_coin_threshold")
         self.lambda_ = lambda_
         self.seed = None if seed is None else int(seed)
-        initial = self.seed if self.seed is not None else _entropy_seed()
-        self.seed_generator = keras.random.SeedGenerator(initial)
-        if self.seed is None:
-            # Both words of the generator's state from OS entropy (~62 bits):
-            # a guessable seed would let an observer replay the coins.
-            self.seed_generator.state.assign(
-                np.array([initial, _entropy_seed()], dtype="int64"))
+        self.seed_generator = _seed_generator(self.seed)
 
     @property
     def lambda_(self):

@@ -118,7 +118,8 @@ from keras import ops
 from keras_hub.samplers import Sampler
 
 from keras_dp_lm.samplers import renyi
-from keras_dp_lm.samplers.dp_sampler import _entropy_seed
+from keras_dp_lm.samplers.dp_sampler import _check_temperature_and_seed
+from keras_dp_lm.samplers.dp_sampler import _seed_generator
 
 _WORD_RANGE = 2 ** renyi.RANDOM_BITS
 _QUANT_SCALE = float(2 ** renyi.QUANT_BITS)
@@ -276,23 +277,12 @@ class PublicMixtureSampler(Sampler):
                 or not (0.0 <= float(public_floor) < 1.0):
             raise ValueError(f"`public_floor` must be in [0, 1). Received: {public_floor!r}")
         self._public_floor = float(public_floor)
-        if isinstance(temperature, bool) or not isinstance(
-                temperature, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(float(temperature)) or float(temperature) <= 0:
-            raise ValueError(
-                f"`temperature` must be a finite number > 0. Received: {temperature!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(
-                seed, (int, np.integer))):
-            raise ValueError(f"`seed` must be an int or None. Received: {seed!r}")
+        _check_temperature_and_seed(temperature, seed)
         super().__init__(temperature=float(temperature), **kwargs)
         self._private_models = private_models
         self._public_model = public_model
         self.seed = None if seed is None else int(seed)
-        initial = self.seed if self.seed is not None else _entropy_seed()
-        self.seed_generator = keras.random.SeedGenerator(initial)
-        if self.seed is None:
-            self.seed_generator.state.assign(
-                np.array([initial, _entropy_seed()], dtype="int64"))
+        self.seed_generator = _seed_generator(self.seed)
 
     # -- read-only parameters ------------------------------------------------
     beta = property(lambda self: self._beta, doc="The Rényi ball radius.")
