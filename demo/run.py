@@ -23,6 +23,12 @@
    exposure (extrapolated, Carlini et al. 2019) of each model, and samples drawn with
    :class:`keras_dp_lm.samplers.DPSampler` with their decoding epsilon, and top-k
    samples of the DP model (covered by the training guarantee alone).
+7. **Private decoding at equal epsilon** per ``--decoding-tokens`` (64) tokens (issue 17):
+   the uniform mixture (``DPSampler``), the public-model mixture
+   (``PublicMixtureSampler``: the public model with the non-private fine-tune projected
+   onto a Rényi ball, at ``--delta``) and the public model alone, by held-out perplexity
+   of the distribution each draws from, with budgeted samples (``decoding_comparison``
+   in report.json; about a minute).
 
 Writes ``report.json``, ``report.md`` and PNG plots to ``--output-dir``.
 Defaults run in 4-6 minutes on 2 CPU cores (tiny Llama, 164k parameters); ``--tiny``
@@ -58,14 +64,15 @@ SENTENCEPIECE_RESERVED = ["<pad>", "<unk>", "<s>", "</s>"] + [str(d) for d in ra
 CANARY_FORMAT = "my ssn is {digits}"
 REQUIRED_REPORT_KEYS = (
     "config", "corpora", "vocabulary", "privacy", "training", "perplexity", "exposure",
-    "samples", "recipe", "efficiency", "runtime_seconds", "files")
+    "samples", "decoding_comparison", "recipe", "efficiency", "runtime_seconds", "files")
 
 TINY_OVERRIDES = dict(
     model_size="micro", sequence_length=32, vocab_size=256, vocab_epsilon=4.0,
     max_words_per_example=4, target_epsilon=8.0, pretrain_steps=20, steps=12,
     batch_size=16, pretrain_batch_size=16, heldout_records=48, max_private_records=8000, max_public_records=1500, canary_repetitions=[1, 20],
     canary_digits=4, exposure_samples=60, num_samples=2, sample_length=12,
-    max_record_chars=100)
+    max_record_chars=100, decoding_epsilons=[1.0, 8.0], decoding_tokens=16,
+    decoding_samples=1)
 
 
 def build_parser():
@@ -139,6 +146,17 @@ def build_parser():
     p.add_argument("--sampler-lambda", type=float, default=0.5,
                    help="DPSampler mixing weight lambda_")
     p.add_argument("--num-samples", type=int, default=4)
+    p.add_argument("--decoding-epsilons", type=float, nargs="*", default=[1.0, 4.0, 8.0, 16.0],
+                   help="private-decoding comparison: epsilon per --decoding-tokens-token "
+                        "sequence at which the uniform mixture (DPSampler), the public-model "
+                        "mixture (PublicMixtureSampler, at --delta) and the public model "
+                        "alone are compared (none: skip the comparison)")
+    p.add_argument("--decoding-tokens", type=int, default=64,
+                   help="sampled tokens per sequence the decoding epsilon is stated for")
+    p.add_argument("--decoding-records", type=int, default=None,
+                   help="held-out records scored in the decoding comparison (default: all)")
+    p.add_argument("--decoding-samples", type=int, default=2,
+                   help="prompts sampled per sampler and epsilon in the decoding comparison")
     p.add_argument("--sample-length", type=int, default=24,
                    help="new tokens generated after the longest prompt")
     p.add_argument("--seed", type=int, default=0,
@@ -556,6 +574,17 @@ def run(args):
         _log(f"WARNING: top-k sampling from the DP model failed: {err!r}")
         samples["dp_top_k"] = {"prompts": prompts, "texts": [], "error": repr(err)}
     timings["generation"] = time.time() - t
+
+    # 7b. private decoding at equal epsilon: uniform vs public mixture vs public alone --
+    t = time.time()
+    try:
+        decoding = (decoding_comparison(args, pretrained, baseline, private_lm,
+                                        data["heldout"], prompts, ppl)
+                    if args.decoding_epsilons else {"skipped": "--decoding-epsilons is empty"})
+    except Exception as err:  # noqa: BLE001 - report, keep the rest of the demo
+        _log(f"WARNING: the private-decoding comparison failed: {err!r}")
+        decoding = {"error": repr(err)}
+    timings["decoding_comparison"] = time.time() - t
     timings["total"] = time.time() - t_start
 
     # 8. report -----------------------------------------------------------------------------
@@ -611,6 +640,7 @@ def run(args):
                      "method": "extrapolated (skew-normal fit to "
                                f"{args.exposure_samples} random candidates)"},
         "samples": samples,
+        "decoding_comparison": decoding,
         "runtime_seconds": {k: round(v, 1) for k, v in timings.items()},
     }
     files = ["report.json", "report.md", "dp_sentencepiece.model"]
@@ -649,6 +679,160 @@ def _prompts(heldout, num):
         if len(prompts) >= num:
             break
     return prompts or ["The"]
+
+
+def _prompt_length(causal_lm, prompt):
+    """Tokens before sampling starts (start token included), as ``generate`` sees them."""
+    x = causal_lm.preprocessor.generate_preprocess([prompt], sequence_length=512)
+    return int(np.asarray(x["padding_mask"]).sum())
+
+
+def decoding_comparison(args, public_lm, private_lm, dp_lm, heldout, prompts, ppl):
+    """Private decoding at equal epsilon per ``--decoding-tokens``-token sequence (issue 17).
+
+    Three ways to release text about the private data, each scored by the held-out
+    perplexity of the distribution it draws tokens from (teacher-forced, the same
+    tokens for all; :func:`keras_dp_lm.samplers.mixture_perplexity` and
+    :func:`keras_dp_lm.samplers.perplexity.public_mixture_perplexity`):
+
+    - uniform mixture: ``DPSampler`` on the private model, ``lambda`` from
+      ``lambda_for_epsilon`` (pure epsilon, so also (epsilon, delta) for any delta);
+    - public mixture: ``PublicMixtureSampler`` on the public model with the private one
+      projected onto a Rényi ball from ``ball_for_epsilon`` at ``--delta`` (N = 1);
+    - the public model alone (epsilon 0: it never saw private data).
+
+    ``private_lm`` is the non-private fine-tune on all private records: it is never
+    released, only tokens drawn through a DP sampler are. ``ppl`` and ``dp_lm`` give
+    reference rows (the DP-trained model is covered by its training epsilon instead).
+    """
+    import keras_hub
+
+    from keras_dp_lm import samplers
+    from keras_dp_lm.samplers import renyi
+    from keras_dp_lm.samplers.perplexity import public_mixture_perplexity
+
+    tokens, delta = int(args.decoding_tokens), float(args.delta)
+    texts = list(heldout[: args.decoding_records] if args.decoding_records else heldout)
+    vocabulary_size = samplers.vocabulary_size_of(public_lm)
+    epsilons = [float(e) for e in args.decoding_epsilons]
+    public_floor = 1e-3
+    lambdas = {e: samplers.lambda_for_epsilon(e, vocabulary_size, tokens) for e in epsilons}
+    balls, unreachable = {}, {}
+    for e in epsilons:
+        try:
+            balls[e] = renyi.ball_for_epsilon(e, delta, tokens, num_models=1)
+        except ValueError as err:
+            if "out of reach" not in str(err):
+                raise
+            unreachable[e] = str(err)
+    # Packed like training and generate (start token as context, end token predicted):
+    # the tokens the held-out perplexity table scores, so public_alone and dp_alone
+    # match its rows when all held-out records are scored.
+    packing = dict(packing="preprocessor", batch_size=32)
+    public_alone = samplers.mixture_perplexity(public_lm, texts, [1.0], **packing)[1.0]
+    uniform = samplers.mixture_perplexity(private_lm, texts, sorted(set(lambdas.values()))
+                                          + [1.0], **packing)
+    dp_alone = samplers.mixture_perplexity(dp_lm, texts, [1.0], **packing)[1.0]
+    mixture, mean_lambda = {}, {}
+    if balls:
+        mixture, mean_lambda = public_mixture_perplexity(
+            public_lm, [private_lm], texts, list(balls.values()), public_floor=public_floor,
+            return_mean_lambda=True, **packing)
+
+    rows, gains = [], []
+    for e in epsilons:
+        lam = lambdas[e]
+        rows.append({"epsilon": e, "sampler": "uniform_mixture", "delta": 0.0,
+                     "perplexity": uniform[lam],
+                     "parameters": {"lambda": lam, "vocabulary_size": vocabulary_size}})
+        if e in balls:
+            alpha, beta = balls[e]
+            sampler = samplers.PublicMixtureSampler([private_lm], beta=beta, alpha=alpha,
+                                                    public_model=public_lm,
+                                                    public_floor=public_floor)
+            charged = sampler.epsilon_per_sequence(tokens, delta)
+            value = mixture[(float(alpha), float(beta))]
+            rows.append({"epsilon": e, "sampler": "public_mixture", "delta": delta,
+                         "perplexity": value, "reachable": True,
+                         "parameters": {"alpha": alpha, "beta": beta, "num_models": 1,
+                                        "public_floor": public_floor,
+                                        "mean_lambda": mean_lambda[(float(alpha),
+                                                                    float(beta))],
+                                        "charged_epsilon": charged}})
+            gains.append({"epsilon": e, "public_mixture": value, "public_only": public_alone,
+                          "ratio": value / public_alone,
+                          "reduction_percent": 100.0 * (1.0 - value / public_alone)})
+        else:
+            rows.append({"epsilon": e, "sampler": "public_mixture", "delta": delta,
+                         "perplexity": None, "reachable": False,
+                         "parameters": {"num_models": 1, "note": unreachable[e]}})
+        rows.append({"epsilon": e, "sampler": "public_only", "delta": 0.0,
+                     "perplexity": public_alone,
+                     "parameters": {"note": "the public model never saw private data: "
+                                            "epsilon 0"}})
+    _log("decoding at equal epsilon per %d-token sequence (held-out perplexity): %s" % (
+        tokens, "; ".join(
+            f"eps {e:g}: uniform {uniform[lambdas[e]]:.1f}, public mixture "
+            + (f"{mixture[tuple(map(float, balls[e]))]:.1f}" if e in balls else "n/a")
+            + f", public alone {public_alone:.1f}" for e in epsilons)))
+
+    # Samples: one --decoding-tokens sequence per prompt, charged to a budget of
+    # epsilon per sequence times the number of samples, before anything is generated.
+    sample_prompts = list(prompts[: args.decoding_samples])
+    samples = {"prompts": sample_prompts, "new_tokens": tokens, "by_epsilon": []}
+
+    def draw(lm, sampler, budget):
+        lm.compile(sampler=sampler, jit_compile=False)
+        texts_out = []
+        for prompt in sample_prompts:
+            max_length = _prompt_length(lm, prompt) + tokens
+            if budget is None:
+                out = lm.generate([prompt], max_length=max_length)
+            else:
+                out = budget.generate(lm, [prompt], max_length=max_length)
+            texts_out.append(str(out[0]))
+        return texts_out
+
+    samples["public_only"] = draw(
+        public_lm, keras_hub.samplers.RandomSampler(seed=args.noise_seed), None)
+    for j, e in enumerate(epsilons):
+        seed = None if args.noise_seed is None else args.noise_seed + 1 + j
+        entry = {"epsilon": e}
+        k = len(sample_prompts)
+        budget = samplers.DecodingBudget(total_epsilon=e * k)
+        entry["uniform_mixture"] = draw(private_lm, samplers.DPSampler(
+            lambdas[e], seed=seed), budget)
+        entry["uniform_mixture_spent"] = budget.spent
+        if e in balls:
+            alpha, beta = balls[e]
+            budget = samplers.DecodingBudget(total_epsilon=e * k, delta=delta)
+            entry["public_mixture"] = draw(public_lm, samplers.PublicMixtureSampler(
+                [private_lm], beta=beta, alpha=alpha, public_floor=public_floor,
+                seed=seed), budget)
+            entry["public_mixture_spent"] = budget.spent
+        samples["by_epsilon"].append(entry)
+
+    return {
+        "num_tokens": tokens, "delta": delta, "epsilons": epsilons,
+        "vocabulary_size": vocabulary_size,
+        "public_model": "pretrained: public pre-training only (never saw private data)",
+        "private_models": "the non-private fine-tune on all private training records "
+                          "(N = 1 shard); never released, only tokens sampled through a "
+                          "DP sampler are",
+        "num_private_models": 1,
+        "scored_records": len(texts),
+        "scoring": "teacher-forced held-out perplexity of the distribution each sampler "
+                   "draws from; records packed as in training (start token as context, "
+                   "end token predicted), as in the held-out perplexity table",
+        "rows": rows,
+        "public_mixture_vs_public_only": gains,
+        "references": {"public_only": public_alone, "private_model_alone": uniform[1.0],
+                       "dp_model_alone": dp_alone,
+                       "note": "private_model_alone has no guarantee at all; the DP model "
+                               "is covered by the training epsilon for any number of "
+                               "samples (a different, stronger kind of release)"},
+        "samples": samples,
+    }
 
 
 def make_plots(report, out):
@@ -798,6 +982,7 @@ def markdown_report(r):
         for text in s["texts"]:
             lines.append(f"* {text!r}")
         lines.append("")
+    lines += decoding_markdown(r.get("decoding_comparison"), r["privacy"])
     lines += ["## Runtime (seconds)", "", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in r["runtime_seconds"].items()]
     lines.append("")
@@ -805,6 +990,59 @@ def markdown_report(r):
         if f.endswith(".png"):
             lines.append(f"![{f}]({f})")
     return "\n".join(lines) + "\n"
+
+
+def decoding_markdown(d, privacy):
+    """The report.md section of :func:`decoding_comparison`."""
+    if not d or "skipped" in d:
+        return []
+    lines = ["## Private decoding at equal epsilon", ""]
+    if "error" in d:
+        return lines + [f"The comparison failed: `{d['error']}`", ""]
+    t = d["num_tokens"]
+    lines += [
+        f"Held-out perplexity of the distribution each sampler draws tokens from "
+        f"({d['scored_records']} private held-out records, teacher-forced, scored like "
+        f"the held-out perplexity table), at the same epsilon per {t}-token sequence. Private model: {d['private_models']}. Public "
+        f"model: {d['public_model']}. The uniform mixture (`DPSampler`, lambda from "
+        f"`lambda_for_epsilon`) is pure epsilon-DP; the public mixture "
+        f"(`PublicMixtureSampler`, N = 1, (alpha, beta) from `ball_for_epsilon`) is "
+        f"(epsilon, delta = {d['delta']:g})-DP; the public model alone costs nothing.", "",
+        f"| epsilon / {t} tokens | uniform mixture (lambda) | public mixture "
+        "(alpha, beta; mean lambda kept) | public model alone | public mixture vs public "
+        "alone |",
+        "|---:|---:|---:|---:|---:|"]
+    by = {(row["epsilon"], row["sampler"]): row for row in d["rows"]}
+    for e in d["epsilons"]:
+        u, m, p = (by[(e, s)] for s in ("uniform_mixture", "public_mixture", "public_only"))
+        if m["reachable"]:
+            mp = m["parameters"]
+            mix = (f"**{m['perplexity']:.2f}** ({mp['alpha']:g}, {mp['beta']:.4f}; "
+                   f"{mp['mean_lambda']:.3f})")
+            gain = (f"{100 * (1 - m['perplexity'] / p['perplexity']):.1f}% "
+                    "lower" if m["perplexity"] < p["perplexity"] else
+                    f"{100 * (m['perplexity'] / p['perplexity'] - 1):.1f}% higher")
+        else:
+            mix, gain = f"not reachable at delta {d['delta']:g}", "—"
+        lines.append(f"| {e:g} | {u['perplexity']:.2f} ({u['parameters']['lambda']:.2e}) "
+                     f"| {mix} | {p['perplexity']:.2f} | {gain} |")
+    ref = d["references"]
+    lines += ["", f"References (same scoring): the private model alone "
+              f"{ref['private_model_alone']:.2f} (no guarantee: never released); the DP "
+              f"fine-tuned model alone {ref['dp_model_alone']:.2f} (covered by the training "
+              f"epsilon {privacy['total_epsilon']:.2f} for any number of samples).", ""]
+    s = d["samples"]
+    lines += [f"Samples ({t} new tokens each; each sampler's samples charged to a "
+              f"`DecodingBudget` of epsilon x {len(s['prompts'])} before generating):", "",
+              "* public model alone: " + " / ".join(repr(x) for x in s["public_only"])]
+    for entry in s["by_epsilon"]:
+        e = entry["epsilon"]
+        lines.append(f"* epsilon {e:g}, uniform mixture: " + " / ".join(
+            repr(x) for x in entry["uniform_mixture"]))
+        if "public_mixture" in entry:
+            lines.append(f"* epsilon {e:g}, public mixture: " + " / ".join(
+                repr(x) for x in entry["public_mixture"]))
+    return lines + [""]
 
 
 def main(argv=None):

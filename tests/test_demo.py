@@ -62,6 +62,59 @@ def test_tiny_demo_end_to_end(tmp_path):
     assert 1.0 <= on_disk["efficiency"]["padded_slot_overhead"] <= 1.6
     # The progress bar's epsilon never drops below what the updates spent.
     assert privacy["epsilon_by_step"][-1] >= privacy["training_epsilon"] * (1 - 1e-9)
+    _check_decoding_comparison(on_disk, markdown)
+
+
+def _check_decoding_comparison(report, markdown):
+    """Issue 17: uniform mixture, public mixture and public model alone at equal epsilon."""
+    from keras_dp_lm.samplers import PublicMixtureSampler, renyi
+
+    d = report["decoding_comparison"]
+    assert "error" not in d, d.get("error")
+    epsilons = demo.TINY_OVERRIDES["decoding_epsilons"]
+    tokens = demo.TINY_OVERRIDES["decoding_tokens"]
+    assert d["epsilons"] == epsilons and d["num_tokens"] == tokens
+    assert d["delta"] == pytest.approx(1e-6)
+    assert d["scored_records"] == demo.TINY_OVERRIDES["heldout_records"]
+    by = {(r["epsilon"], r["sampler"]): r for r in d["rows"]}
+    assert len(by) == len(d["rows"]) == 3 * len(epsilons)
+    v = d["vocabulary_size"]
+    # Scored like the held-out table: the public model alone and the DP model match it.
+    assert d["references"]["public_only"] == pytest.approx(
+        report["perplexity"]["public_only"], rel=1e-3)
+    assert d["references"]["dp_model_alone"] == pytest.approx(
+        report["perplexity"]["dp"], rel=1e-3)
+    assert d["references"]["private_model_alone"] == pytest.approx(
+        report["perplexity"]["non_private"], rel=1e-3)
+    for e in epsilons:
+        uniform, mixture, public = (by[(e, s)] for s in (
+            "uniform_mixture", "public_mixture", "public_only"))
+        lam = uniform["parameters"]["lambda"]
+        # lambda from lambda_for_epsilon; perplexity at most |V| / (1 - lambda).
+        assert 0 < lam < 1 and 1 < uniform["perplexity"] <= v / (1 - lam) * (1 + 1e-9)
+        assert public["perplexity"] == d["references"]["public_only"]
+        assert mixture["reachable"] and mixture["delta"] == d["delta"]
+        p = mixture["parameters"]
+        # The ball spends at most epsilon per sequence, recomputed independently.
+        assert p["charged_epsilon"] <= e * (1 + 1e-9)
+        assert renyi.sequence_epsilon(p["beta"], p["alpha"], 1, tokens, d["delta"]) \
+            <= e * (1 + 1e-9)
+        assert 0 <= p["mean_lambda"] <= 1 and 1 < mixture["perplexity"] < v
+    gains = {g["epsilon"]: g for g in d["public_mixture_vs_public_only"]}
+    assert set(gains) == set(epsilons)
+    samples = d["samples"]
+    assert len(samples["public_only"]) == len(samples["prompts"]) == \
+        demo.TINY_OVERRIDES["decoding_samples"]
+    for entry in samples["by_epsilon"]:
+        for name in ("uniform_mixture", "public_mixture"):
+            assert len(entry[name]) == len(samples["prompts"])
+            assert all(isinstance(t, str) and t for t in entry[name])
+            # Each sample was charged to a budget before it was generated.
+            assert 0 < entry[name + "_spent"] <= entry["epsilon"] * len(
+                samples["prompts"]) * (1 + 1e-9)
+    assert "## Private decoding at equal epsilon" in markdown
+    assert "| epsilon / %d tokens | uniform mixture" % tokens in markdown
+    assert PublicMixtureSampler.__name__ in markdown
 
 
 @pytest.mark.slow
@@ -71,7 +124,7 @@ def test_tiny_demo_with_speakers_as_privacy_units(tmp_path):
 
     args = demo.parse_args(["--tiny", "--privacy-unit", "speaker", "--output-dir",
                             str(tmp_path), "--noise-seed", "0", "--verbose", "0",
-                            "--no-plots", "--num-samples", "1"])
+                            "--no-plots", "--num-samples", "1", "--decoding-epsilons"])
     data = demo.load_data(args)
     units = len(set(data["private_units"]))
     assert len(data["private_units"]) == len(data["private"]) > units > 100
@@ -87,6 +140,7 @@ def test_tiny_demo_with_speakers_as_privacy_units(tmp_path):
         privacy["training_delta"])
     assert privacy["training_epsilon"] == pytest.approx(direct, rel=1e-3)
     assert "the speaker" in (tmp_path / "report.md").read_text()
+    assert "skipped" in report["decoding_comparison"]
 
 
 # --- the corpora the demo uses (keras_dp_lm.corpora) ----------------------------------
