@@ -172,7 +172,10 @@ def main(argv=None):
     utility = HERE / "dp_decoding_utility.md"
     if utility.exists():
         lines += ["", "Utility (from `benchmarks/dp_decoding_utility.py`, its last run):", ""]
-        lines += [l for l in utility.read_text().splitlines() if l.startswith("|")]
+        # Its tables with their headings and notes (not only the "|" lines, which
+        # would merge its several tables into one), minus its own "## " title.
+        lines += [("#" + l if l.startswith("### ") else l)
+                  for l in utility.read_text().splitlines() if not l.startswith("## ")]
     md = "\n".join(lines)
     print(md)
     if not args.no_results:

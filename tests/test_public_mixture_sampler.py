@@ -130,10 +130,12 @@ def test_per_token_bound_holds_against_brute_force(v, num_models, alpha, beta):
 
 
 def test_bound_is_tight_for_one_model_and_needs_both_ball_terms():
-    # The brute-force maximum for N = 1 reaches the bound to within the 1e-6 safety
-    # margin of the projection: the proof's inequalities are all attained.
+    # The brute-force maximum for N = 1 reaches the bound to within the projection's
+    # safety margin and its rounding of lam down to a multiple of 2**-BISECTION_STEPS
+    # (measured 0.99971 with 16 steps, 0.999997 with 40): the proof's inequalities
+    # are all attained.
     worst = _brute_force_ratio(3, 1, 8.0, 1.0, floor=0.0, seed=0)
-    assert 1 - 3e-6 < worst <= 1.0
+    assert 1 - 1e-3 < worst <= 1.0
     # And a bound that forgot the ball's backward constraint (only the (a-1/2)/(a-1)
     # beta term) is broken by the same search.
     sampler = PublicMixtureSampler(_FakeModels.of(3, 1), beta=1.0, alpha=8.0, seed=0)
@@ -172,7 +174,7 @@ def test_projection_stays_in_the_ball_and_is_maximal(alpha, beta):
         forward, backward = renyi.ball_divergences(p_hat, q0[r], alpha)
         assert forward <= beta and backward <= beta
         if lam[i, r] < 1:
-            step = lam[i, r] + 2.0 ** -30
+            step = lam[i, r] + 2.0 ** -renyi.BISECTION_STEPS   # the bisection's upper end
             bigger = step * qs[i, r] + (1 - step) * q0[r]
             assert max(renyi.ball_divergences(bigger, q0[r], alpha)) > target
     # Both divergences grow with lam (bisection is valid).

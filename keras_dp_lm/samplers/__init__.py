@@ -82,6 +82,7 @@ from keras_dp_lm.samplers.epsilon import lambda_for_epsilon
 from keras_dp_lm.samplers.epsilon import num_sampled_tokens
 from keras_dp_lm.samplers.epsilon import vocabulary_size_of
 from keras_dp_lm.samplers.perplexity import mixture_perplexity
+from keras_dp_lm.samplers.perplexity import public_mixture_perplexity
 from keras_dp_lm.samplers.public_mixture import PublicMixtureSampler
 from keras_dp_lm.samplers.renyi import ball_for_epsilon
 from keras_dp_lm.samplers.renyi import beta_for_epsilon
@@ -104,6 +105,7 @@ __all__ = [
     "mixture_perplexity",
     "num_sampled_tokens",
     "per_token_rdp",
+    "public_mixture_perplexity",
     "renyi_divergence",
     "sequence_epsilon",
     "vocabulary_size_of",

@@ -25,7 +25,7 @@ Mechanism (one sampled token, given the released prefix)
    (any distribution is allowed here, zeros included).
 3. Projection onto the Rényi ball of radius ``beta`` at order ``alpha``:
    ``p_hat_i = lam_i p_i + (1 - lam_i) p0`` with the largest ``lam_i`` (a multiple
-   of 2**-40, by bisection in float64) such that
+   of 2**-16, by bisection in float64) such that
    ``D_{2 alpha}(p_hat_i || p0) <= beta`` and ``D_{2 alpha - 1}(p0 || p_hat_i) <= beta``
    (checked against ``beta (1 - 1e-6) - 1e-12``).
 4. Output: one token from ``q = (1/N) sum_i p_hat_i``, drawn with integers only:
@@ -107,7 +107,7 @@ Residual risks (stated honestly)
 - A fixed ``seed`` makes the draws reproducible by anyone who knows it (tests only).
 
 Cost: every step runs the public and all ``N`` private models (each with its own
-KV cache) plus ``N`` bisections of 40 float64 steps over the vocabulary.
+KV cache) plus ``N`` bisections of 16 float64 steps over the vocabulary.
 """
 
 import math
