@@ -18,10 +18,9 @@ import keras_hub
 from keras_dp_lm import clipping as fc
 from test_clipping_fast import assert_matches
 from test_clipping_fast import classification_loss
-from test_clipping_fast import force  # noqa: F401  (fixture)
 from test_clipping_fast import padded_tokens
 from test_clipping_fast import tiny_bert_backbone
-from test_clipping_fast import token_loss
+from reference import token_loss
 
 
 def _graph(m, f, d, c, method):
