@@ -6,6 +6,36 @@ import tensorflow as tf
 from keras.src import tree
 
 
+def naive_per_unit(model, loss_fn, data, examples_per_unit=1):
+    """Each unit's gradient, one unit at a time: rows ``u*k .. u*k+k-1`` (one example
+    when ``k == 1``, a user's rows otherwise) differentiated together. A list over
+    units of float64 lists aligned with ``model.trainable_variables``."""
+    k = examples_per_unit
+    size = len(tf.nest.flatten(data)[0])
+    variables = model.trainable_variables
+    out = []
+    for u in range(size // k):
+        rows = tf.nest.map_structure(lambda t: t[u * k:(u + 1) * k], data)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(loss_fn(rows))
+        grads = tape.gradient(loss, variables)
+        out.append([np.zeros(v.shape) if g is None else
+                    np.asarray(tf.convert_to_tensor(g), np.float64)
+                    for g, v in zip(grads, variables)])
+    return out
+
+
+def naive_clip(per_unit, clip):
+    """``(norms, clipped sums)`` of per-unit gradients from :func:`naive_per_unit`."""
+    norms = np.array([np.sqrt(sum(float(np.sum(g * g)) for g in grads))
+                      for grads in per_unit])
+    sums = [np.zeros_like(g) for g in per_unit[0]]
+    for grads, norm in zip(per_unit, norms):
+        factor = min(1.0, clip / norm) if norm > 0 else 1.0
+        sums = [s + factor * g for s, g in zip(sums, grads)]
+    return norms, sums
+
+
 def token_loss(model, ids, mask):
     """Per-example next-token CE, padding-weighted, normalised by the example's own tokens."""
     logits = model({"token_ids": ids[:, :-1], "padding_mask": mask[:, :-1]}, training=True)

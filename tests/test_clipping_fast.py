@@ -15,6 +15,8 @@ import keras
 import keras_hub
 
 from keras_dp_lm import clipping as fc
+from reference import naive_clip
+from reference import naive_per_unit
 from reference import token_loss
 
 RTOL = 1e-4
@@ -26,28 +28,7 @@ RTOL = 1e-4
 
 def naive_per_example(model, loss_fn, data):
     """Per-example gradients, one example at a time: list over examples of lists."""
-    size = len(tf.nest.flatten(data)[0])
-    variables = model.trainable_variables
-    out = []
-    for i in range(size):
-        example = tf.nest.map_structure(lambda t: t[i:i + 1], data)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(loss_fn(example))
-        grads = tape.gradient(loss, variables)
-        out.append([np.zeros(v.shape) if g is None else
-                    np.asarray(tf.convert_to_tensor(g), np.float64)
-                    for g, v in zip(grads, variables)])
-    return out
-
-
-def naive_clip(per_example, clip):
-    norms = np.array([np.sqrt(sum(float(np.sum(g * g)) for g in grads))
-                      for grads in per_example])
-    sums = [np.zeros_like(g) for g in per_example[0]]
-    for grads, norm in zip(per_example, norms):
-        factor = min(1.0, clip / norm) if norm > 0 else 1.0
-        sums = [s + factor * g for s, g in zip(sums, grads)]
-    return norms, sums
+    return naive_per_unit(model, loss_fn, data)
 
 
 def assert_matches(model, loss_fn, data, fn=fc.fast_clipped_sum, method="auto"):

@@ -14,43 +14,20 @@ import keras
 import keras_hub
 
 from keras_dp_lm import clipping as fc
+from reference import naive_clip
+from reference import naive_per_unit
 from reference import token_loss
 
 RTOL = 1e-4
 
 
-def naive_per_user(model, loss_fn, data, k):
-    """Each user's gradient (its k rows differentiated together), one user at a time."""
-    size = len(tf.nest.flatten(data)[0])
-    variables = model.trainable_variables
-    out = []
-    for u in range(size // k):
-        rows = tf.nest.map_structure(lambda t: t[u * k:(u + 1) * k], data)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(loss_fn(rows))
-        grads = tape.gradient(loss, variables)
-        out.append([np.zeros(v.shape) if g is None else
-                    np.asarray(tf.convert_to_tensor(g), np.float64)
-                    for g, v in zip(grads, variables)])
-    return out
-
-
-def naive_clip(per_unit, clip):
-    norms = np.array([np.sqrt(sum(float(np.sum(g * g)) for g in grads)) for grads in per_unit])
-    sums = [np.zeros_like(g) for g in per_unit[0]]
-    for grads, norm in zip(per_unit, norms):
-        factor = min(1.0, clip / norm) if norm > 0 else 1.0
-        sums = [s + factor * g for s, g in zip(sums, grads)]
-    return norms, sums
-
-
 def assert_user_level_matches(model, loss_fn, data, k, fn=fc.clipped_sum, method="auto"):
-    per_user = naive_per_user(model, loss_fn, data, k)
+    per_user = naive_per_unit(model, loss_fn, data, k)
     ref_norms, _ = naive_clip(per_user, 1.0)
     clip = float(np.median(ref_norms))   # some users clipped, some not
     ref_norms, ref_sums = naive_clip(per_user, clip)
     # The per-EXAMPLE norms differ: the test would catch a k ignored.
-    per_example, _ = naive_clip(naive_per_user(model, loss_fn, data, 1), 1.0)
+    per_example, _ = naive_clip(naive_per_unit(model, loss_fn, data, 1), 1.0)
     assert not np.allclose(np.sqrt(np.add.reduceat(per_example ** 2, np.arange(0, len(per_example), k))),
                            ref_norms, rtol=1e-3)
     result = fn(model, loss_fn, data, clip, method=method, examples_per_user=k)

@@ -250,6 +250,18 @@ def _check_sampling(sampling_rate, max_batch_size, overflow, num_steps):
     return sampling_rate, max_batch_size, _check_int("num_steps", num_steps)
 
 
+def _warn_overflow(n, q, cap, num_steps, overflow, unit=("examples", "max_batch_size")):
+    """Warn when ``cap`` is exceeded with probability > 1e-6 over the run."""
+    units, cap_name = unit
+    risk = overflow_probability(n, q, cap, num_steps)
+    if risk > 1e-6:
+        warnings.warn(
+            f"{cap_name}={cap} is exceeded with probability {risk:.2g} in {num_steps} "
+            f"Poisson draws of {n} {units} (overflow={overflow!r}); "
+            f"suggest_max_batch_size(...) gives "
+            f"{suggest_max_batch_size(n, q, num_steps)} for 1e-9.", stacklevel=3)
+
+
 def iter_poisson_batches(data, sampling_rate, max_batch_size, seed=None,
                          num_steps=None, overflow="raise", rng=None, padding="max",
                          bucket_ratio=1.15):
@@ -501,14 +513,7 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
     if preprocessor is not None and not callable(preprocessor):
         raise ValueError(f"`preprocessor` must be callable, got {preprocessor!r}.")
     data, leaves, n = _flatten_examples(dataset_or_arrays, raw=preprocessor is not None)
-    risk = overflow_probability(n, sampling_rate, max_batch_size, num_steps)
-    if risk > 1e-6:
-        warnings.warn(
-            f"max_batch_size={max_batch_size} is exceeded with probability {risk:.2g} "
-            f"in {num_steps} Poisson draws (overflow={overflow!r}); "
-            "suggest_max_batch_size(...) gives "
-            f"{suggest_max_batch_size(n, sampling_rate, num_steps)} for 1e-9.",
-            stacklevel=2)
+    _warn_overflow(n, sampling_rate, max_batch_size, num_steps, overflow)
     rng = np.random.default_rng(seed)  # shared by every pass: fresh draws each epoch
     buckets = _buckets(padding, n, sampling_rate, max_batch_size, bucket_ratio)
     batch_dim = max_batch_size if len(buckets) == 1 else None

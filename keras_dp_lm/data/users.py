@@ -30,13 +30,9 @@ number of users ``U_b`` is padded to a few buckets like
 :func:`~keras_dp_lm.data.poisson_batches`.
 """
 
-import warnings
-
 import numpy as np
 import tensorflow as tf
 
-from keras_dp_lm.accounting.overflow import overflow_probability
-from keras_dp_lm.accounting.overflow import suggest_max_batch_size
 from keras_dp_lm.clipping.interface import check_examples_per_user
 from keras_dp_lm.data.poisson import _buckets
 from keras_dp_lm.data.poisson import _check_sampling
@@ -44,6 +40,7 @@ from keras_dp_lm.data.poisson import _draws
 from keras_dp_lm.data.poisson import _finish_batch
 from keras_dp_lm.data.poisson import _flatten_examples
 from keras_dp_lm.data.poisson import _gather_masked
+from keras_dp_lm.data.poisson import _warn_overflow
 
 
 def _user_rows(user_ids, n):
@@ -127,14 +124,8 @@ def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
     num_users = len(users)
     if max_users > num_users:
         max_users = num_users
-    risk = overflow_probability(num_users, sampling_rate, max_users, num_steps)
-    if risk > 1e-6:
-        warnings.warn(
-            f"max_users={max_users} is exceeded with probability {risk:.2g} in "
-            f"{num_steps} Poisson draws of {num_users} users (overflow={overflow!r}); "
-            f"suggest_max_batch_size(...) gives "
-            f"{suggest_max_batch_size(num_users, sampling_rate, num_steps)} for 1e-9.",
-            stacklevel=2)
+    _warn_overflow(num_users, sampling_rate, max_users, num_steps, overflow,
+                   unit=("users", "max_users"))
     rng = np.random.default_rng(seed)
     buckets = _buckets(padding, num_users, sampling_rate, max_users, bucket_ratio)
     rows = max_users * k if len(buckets) == 1 else None
