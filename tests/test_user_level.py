@@ -418,3 +418,26 @@ def test_group_privacy_on_a_user_level_ledger_is_refused():
     accountant.set_model(model)
     with pytest.raises(ValueError, match="user-level already"):
         accountant.report()
+
+
+def test_a_mismatched_mask_under_xla_adds_nothing():
+    """XLA drops assertions: the mismatched mask becomes all padding instead."""
+    x, y, _ = user_records()
+    model = classifier()
+    model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=0.5, noise_multiplier=0.0,
+                                      expected_batch_size=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True)
+    ds = tf.data.Dataset.from_generator(
+        lambda: iter([(x[:6], y[:6], np.ones((1, 1), "float32"))]), output_signature=(
+            tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.int64),
+            tf.TensorSpec([None, 1], tf.float32)))
+    ds = ds.map(lambda a, b, c: (a, b, kdp.data.attach_real_slots(None, c, 0.1)))
+    before = [np.asarray(v).copy() for v in model.trainable_variables]
+    try:
+        model.fit(ds, verbose=0)
+    except tf.errors.InvalidArgumentError as err:   # refused outright is fine too
+        assert "one entry per row" in str(err)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(np.asarray(v), b)
+    assert all(row[2] == 0.0 for row in kdp.ledger_of(model).rows())
