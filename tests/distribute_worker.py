@@ -64,6 +64,38 @@ def tiny_training(strategy, accumulation, steps, batch, jit=False, steps_per_exe
             "updates": int(model.optimizer.dp_updates.numpy())}
 
 
+def poisson_fit(strategy, unit, steps, seed, num_replicas=2, padding="bucket"):
+    """sigma = 0 ``fit`` on Poisson example (bucket-padded) or user batches;
+    returns the final weights and the ledger rows."""
+    import keras
+    import keras_dp_lm as kdp
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    n = 120
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = rng.integers(0, 3, n)
+    if unit == "user":
+        users = np.arange(n) // 3  # 40 users of 3 records
+        batches = kdp.data.poisson_user_batches(
+            (x, y), users, 0.25, max_users=23, examples_per_user=2, seed=seed,
+            num_replicas=num_replicas, num_steps=steps, padding=padding)
+    else:
+        batches = kdp.data.poisson_batches((x, y), 0.2, 48, seed=seed, num_steps=steps,
+                                           padding="bucket")
+    expected = batches.sampling_rate * batches.dataset_size
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=kdp.DPSGD(0.5, l2_norm_clip=0.3, noise_multiplier=0.0,
+                                          expected_batch_size=expected),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(batches, epochs=1, verbose=0)
+    ledger = kdp.ledger_of(model)
+    return {"weights": [w.numpy().tolist() for w in model.trainable_variables],
+            "rows": np.asarray(ledger.rows()).tolist(), "unit": ledger.privacy_unit,
+            "updates": int(model.optimizer.dp_updates.numpy())}
+
+
 def main():
     mode, args = sys.argv[1], json.loads(sys.argv[2])
     if mode == "noise":
@@ -81,6 +113,18 @@ def main():
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         out = tiny_training(strategy, 1, args["steps"], args["batch"], optimizer="adam")
         out["replicas"] = strategy.num_replicas_in_sync
+    elif mode == "poisson_fit":
+        names = logical_cpus(2)
+        strategy = tf.distribute.MirroredStrategy(names[: args["replicas"]])
+        out = {unit: poisson_fit(strategy, unit, args["steps"], args["seed"])
+               for unit in ("example", "user")}
+        if args["replicas"] == 2:
+            # 23 user slots split over 2 replicas cut a user's rows apart
+            try:
+                poisson_fit(strategy, "user", 1, 0, num_replicas=1, padding="max")
+                out["uneven"] = "trained"
+            except (ValueError, tf.errors.InvalidArgumentError) as error:
+                out["uneven"] = str(error)
     elif mode == "single_adam":
         out = tiny_training(tf.distribute.get_strategy(), 1, args["steps"], args["batch"],
                             optimizer="adam")

@@ -22,7 +22,7 @@ def test_inclusion_rate_and_batch_sizes_match_poisson():
     for x, y, marked in sampling.iter_poisson_batches((ids, ids * 10), q, 60, seed=0,
                                                       num_steps=steps):
         w, rate, weight = sampling.split_real_slots(marked)
-        assert rate == q and weight is None
+        assert rate.shape == w.shape and np.all(rate == q) and weight is None
         real = w > 0
         size = int(real.sum())
         sizes.append(size)
@@ -210,7 +210,7 @@ def test_bucketed_padding_keeps_poisson_inclusion_and_bounds_the_overhead():
             (np.arange(n), np.zeros(n)), q, cap, seed=0, num_steps=steps, padding="bucket"):
         real, rate, _ = sampling.split_real_slots(marked)
         size = int(real.sum())
-        assert len(real) in buckets and len(real) >= size and rate == q
+        assert len(real) in buckets and len(real) >= size and np.all(rate == q) and rate.shape == real.shape
         assert np.all(real[:size] == 1) and np.all(real[size:] == 0)
         if size >= buckets[0]:
             assert len(real) <= 1.15 * size

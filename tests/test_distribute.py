@@ -68,6 +68,25 @@ def test_two_replicas_and_accumulation_match_single_device_at_zero_noise():
     assert _max_rel(accumulated["weights"], single["weights"]) < 1e-5
 
 
+def test_fit_on_poisson_and_user_batches_on_two_replicas_matches_one_device():
+    """``fit`` under MirroredStrategy on bucket-padded Poisson batches (the rate
+    travels one per row, replicas may get uneven shares) and on user batches
+    (``num_replicas=2`` keeps a user's rows on one replica) trains exactly as
+    one device and records the same ledger; a user batch that the split would
+    cut apart is refused."""
+    single = run_worker("poisson_fit", replicas=1, steps=4, seed=3)
+    mirrored = run_worker("poisson_fit", replicas=2, steps=4, seed=3)
+    for unit, rate, cap in (("example", 0.2, 48), ("user", 0.25, 24)):
+        one, two = single[unit], mirrored[unit]
+        assert one["updates"] == two["updates"] == 4
+        assert one["unit"] == two["unit"] == unit
+        assert one["rows"] == two["rows"]
+        (sigma, q, max_real, updates), = two["rows"]
+        assert (sigma, q, updates) == (0.0, rate, 4.0) and 0 < max_real <= cap
+        assert _max_rel(two["weights"], one["weights"]) < 1e-5
+    assert "num_replicas" in mirrored["uneven"]
+
+
 def test_jit_compile_and_steps_per_execution():
     plain = run_worker("train", replicas=1, steps=8, batch=4)
     compiled = run_worker("train", replicas=1, steps=8, batch=4, jit=True, spe=4)

@@ -187,7 +187,7 @@ def test_poisson_user_batches_layout_and_inclusion_rate():
     for xb, rows, marked in ds:
         real, rate, weight = split_real_slots(marked)
         real, rows = real.numpy(), rows.numpy().reshape(real.shape)
-        assert weight is None and float(rate) == 0.25 and xb.shape[0] == real.size
+        assert weight is None and np.all(np.asarray(rate) == 0.25) and np.shape(rate) == real.shape[:1] and xb.shape[0] == real.size
         for slots, row in zip(real, rows):
             if slots.sum() == 0:
                 continue

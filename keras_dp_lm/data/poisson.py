@@ -54,8 +54,10 @@ Example:
     >>> ds = poisson_batches((x, y), q, max_batch_size=cap, seed=0, num_steps=100)
     >>> xb, yb, marked = next(iter(ds))
     >>> real, rate, weight = split_real_slots(marked)
-    >>> bool(xb.shape[0] <= 1.15 * max(real.numpy().sum(), 11)), float(rate) == q, weight is None
-    (True, True, True)
+    >>> bool(xb.shape[0] <= 1.15 * max(real.numpy().sum(), 11)), weight is None
+    (True, True)
+    >>> bool(np.all(rate.numpy() == q))  # the rate, once per slot
+    True
     >>> opt = kdp.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
     ...                 expected_batch_size=q * 1000)
 
@@ -115,21 +117,37 @@ def attach_real_slots(sample_weight, real_slots, sampling_rate=None):
     hands the rest of ``sample_weight`` (possibly ``None``) to the loss.
     ``sampling_rate`` is the Poisson rate q the batch was drawn with; the
     step records it in the model's privacy ledger and refuses batches drawn
-    at a higher rate than the accountant assumes.
+    at a higher rate than the accountant assumes. It is attached once per
+    row of the mask (float64), so that ``tf.distribute`` can split the batch
+    across replicas; the step takes the largest.
 
     Example:
         >>> import numpy as np
         >>> sw = attach_real_slots(None, np.array([1.0, 1.0, 0.0]), 0.01)
         >>> mask, rate, rest = split_real_slots(sw)
-        >>> mask.tolist(), rate, rest
-        ([1.0, 1.0, 0.0], 0.01, None)
+        >>> mask.tolist(), rate.tolist(), rest
+        ([1.0, 1.0, 0.0], [0.01, 0.01, 0.01], None)
     """
     marked = {REAL_SLOTS_KEY: real_slots}
     if sampling_rate is not None:
-        marked[SAMPLING_RATE_KEY] = sampling_rate
+        marked[SAMPLING_RATE_KEY] = _rate_per_row(sampling_rate, real_slots)
     if sample_weight is not None:
         marked[SAMPLE_WEIGHT_KEY] = sample_weight
     return marked
+
+
+def _rate_per_row(rate, real_slots):
+    """``rate`` repeated once per row of ``real_slots`` (left as is if it
+    already has one entry per row)."""
+    if isinstance(rate, (tf.Tensor, tf.Variable)) or isinstance(real_slots, tf.Tensor):
+        rate = tf.cast(rate, tf.float64)
+        if rate.shape.rank == 1:
+            return rate
+        return tf.fill(tf.shape(real_slots)[:1], tf.reshape(rate, []))
+    rate = np.asarray(rate, np.float64)
+    if rate.ndim == 1:
+        return rate
+    return np.full(np.shape(real_slots)[:1], float(rate), np.float64)
 
 
 def split_real_slots(sample_weight):
@@ -503,7 +521,7 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
         >>> x, y, marked = next(iter(ds))
         >>> real, rate, weight = split_real_slots(marked)
         >>> n = int(real.numpy().sum())  # about 10 drawn records, padded to a bucket
-        >>> len(set(y.numpy()[:n].tolist())) == n, float(rate) == 0.01
+        >>> len(set(y.numpy()[:n].tolist())) == n, float(rate[0]) == 0.01
         (True, True)
         >>> weight.numpy().tolist() == real.numpy().tolist()  # padding slots weigh 0
         True

@@ -56,14 +56,16 @@ def _user_rows(user_ids, n):
     return [part.astype(np.int64) for part in np.split(order, bounds)]
 
 
-def _user_draws(users, q, cap, k, num_steps, overflow, rng, buckets):
-    """Per step ``(slots [B_b * k] int64, real [B_b * k] bool)``.
+def _user_draws(users, q, cap, k, num_steps, overflow, rng, buckets, num_replicas=1):
+    """Per step ``(slots [B_b * k] int64, real [B_b * k] bool)``, ``B_b`` the
+    bucket rounded up to a multiple of ``num_replicas``.
 
     The only randomness: a ``Binomial(U, q)`` number of users, a uniform subset
     of them, and for each a uniform subset of at most ``k`` of its records.
     """
     for chosen, size in _draws(len(users), q, cap, num_steps, overflow, rng, buckets,
                                unit=("users", "max_users")):
+        size = _round_up(size, num_replicas)
         slots = np.zeros((size * k,), np.int64)
         real = np.zeros((size * k,), bool)
         for j, user in enumerate(chosen):
@@ -75,9 +77,14 @@ def _user_draws(users, q, cap, k, num_steps, overflow, rng, buckets):
         yield slots, real
 
 
+def _round_up(size, multiple):
+    return -(-size // multiple) * multiple
+
+
 def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
                          examples_per_user, seed=None, num_steps=None, overflow="raise",
-                         padding="bucket", bucket_ratio=1.15, preprocessor=None):
+                         padding="bucket", bucket_ratio=1.15, preprocessor=None,
+                         num_replicas=1):
     """A ``tf.data.Dataset`` of Poisson-sampled USERS, for user-level DP training.
 
     Like :func:`~keras_dp_lm.data.poisson_batches`, but the unit sampled (and,
@@ -96,6 +103,10 @@ def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
         examples_per_user: k, the most records of one user in one step.
         seed, num_steps, overflow, padding, bucket_ratio, preprocessor: as for
             ``poisson_batches`` (``num_steps`` defaults to ``ceil(1 / q)``).
+        num_replicas: under ``tf.distribute``, the strategy's
+            ``num_replicas_in_sync``: every batch then holds a multiple of it
+            user slots, so that splitting the batch across replicas keeps each
+            user's rows together (the DP step refuses a split that does not).
 
     The optimizer divides by the expected number of USERS:
     ``DPAdam(..., expected_batch_size=q * num_users)``; the accountant reads
@@ -128,12 +139,14 @@ def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
                    unit=("users", "max_users"))
     rng = np.random.default_rng(seed)
     buckets = _buckets(padding, num_users, sampling_rate, max_users, bucket_ratio)
-    rows = max_users * k if len(buckets) == 1 else None
+    if not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
+        raise ValueError(f"`num_replicas` must be a positive int, got {num_replicas!r}.")
+    rows = _round_up(max_users, num_replicas) * k if len(buckets) == 1 else None
     tensors = [tf.constant(leaf) for leaf in leaves]
 
     def generator():
         return _user_draws(users, sampling_rate, max_users, k, num_steps, overflow, rng,
-                           buckets)
+                           buckets, num_replicas)
 
     draws = tf.data.Dataset.from_generator(generator, output_signature=(
         tf.TensorSpec((rows,), tf.int64), tf.TensorSpec((rows,), tf.bool)))

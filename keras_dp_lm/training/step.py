@@ -150,6 +150,13 @@ def _unpack(data):
             raise ValueError(
                 f"The real-slot mask must be [B] (examples) or [users, "
                 f"examples_per_user]; got shape {tuple(mask.shape)}.")
+        if per_user is not None and isinstance(size, int) and size % per_user:
+            raise ValueError(
+                f"A user batch with examples_per_user={per_user} has {size} rows, not "
+                "a multiple of it: its rows no longer line up with its users. Under "
+                "tf.distribute, pass num_replicas=strategy.num_replicas_in_sync to "
+                "keras_dp_lm.data.poisson_user_batches, so that splitting the batch "
+                "keeps each user's rows on one replica.")
         # A slot is real or padding: 0/1, whatever values the mask holds (a
         # fractional mask must not shrink the counted batch).
         mask = tf.cast(tf.reshape(mask, [-1]) > 0, tf.float32)
@@ -164,6 +171,19 @@ def _unpack(data):
     return x, y, sample_weight, mask, rate, per_user
 
 
+def _batch_rate(rate, ctx):
+    """The batch's Poisson rate: the largest attached to any of its rows, on
+    any replica (0 when none is attached). Rates travel one per row so that
+    ``tf.distribute`` can split a batch; a replica may get no rows."""
+    if rate is None:
+        return tf.constant(0.0, tf.float64)
+    rate = tf.reshape(tf.cast(rate, tf.float64), [-1])
+    rate = tf.reduce_max(tf.concat([rate, tf.zeros([1], tf.float64)], 0))
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        rate = tf.reduce_max(ctx.all_gather(tf.reshape(rate, [1]), axis=0))
+    return rate
+
+
 def _one_per_row(mask, rows):
     """``mask`` checked at run time to have one entry per row.
 
@@ -176,7 +196,9 @@ def _one_per_row(mask, rows):
     count = tf.size(mask)
     check = tf.debugging.assert_equal(
         count, rows, message="keras_dp_lm: the real-slot mask must have one entry per "
-                             "row of the batch (row-wise preprocessing)")
+                             "row (example batches) or per examples_per_user rows (user "
+                             "batches) of the batch: preprocess row-wise, and under "
+                             "tf.distribute pass num_replicas= to poisson_user_batches")
     with tf.control_dependencies([check]):
         index = tf.minimum(tf.range(rows), tf.maximum(count - 1, 0))
         return tf.gather(mask, index) * tf.cast(tf.equal(count, rows), mask.dtype)
@@ -335,8 +357,7 @@ def dp_train_step(model, data):
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.num_replicas_in_sync > 1:
         real = ctx.all_reduce(tf.distribute.ReduceOp.SUM, real)
-    rate = tf.constant(0.0, tf.float64) if rate is None else tf.cast(
-        tf.reshape(rate, [-1])[0], tf.float64)
+    rate = _batch_rate(rate, ctx)
     ok = ledger.check(sigma, rate, real, unit) & independent
     with tf.control_dependencies([refuse_mixing]):  # its message first
         ok = tf.identity(ok)
@@ -487,14 +508,15 @@ def _compile_with_dp_binding(self, *args, **kwargs):
 _original_symbolic_build = internals.TensorFlowTrainer._maybe_symbolic_build
 
 
-def _symbolic_build_multi_worker_safe(self, iterator=None, data_batch=None):
+def _symbolic_build_distributed_safe(self, iterator=None, data_batch=None):
     """Keras 3.15 averages a distributed batch with ``strategy.reduce`` before
-    building, which fails under MultiWorkerMirroredStrategy in eager mode
-    ("Attempt to convert a value (PerReplica...)"), even for plain Adam. Build
-    from the first local replica's batch instead: only shapes matter."""
+    building. That fails under MultiWorkerMirroredStrategy in eager mode
+    ("Attempt to convert a value (PerReplica...)"), even for plain Adam, and
+    under any strategy when the replicas' shares differ in size (a Poisson
+    batch of 21 rows on 2 replicas). Build from the first local replica's
+    batch instead, without its real-slot marks: only shapes matter."""
     strategy = self._distribute_strategy
-    if (strategy is None or iterator is None or not isinstance(
-            strategy, tf.distribute.MultiWorkerMirroredStrategy)):
+    if strategy is None or iterator is None:
         return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
     for _, _, it in iterator:
         batch = next(it)
@@ -502,6 +524,10 @@ def _symbolic_build_multi_worker_safe(self, iterator=None, data_batch=None):
             lambda v: strategy.experimental_local_results(v)[0]
             if isinstance(v, tf.distribute.DistributedValues) else v, batch)
         break
+    # Keras computes the loss on it: hand it the loss's own sample_weight,
+    # not the real-slot marks.
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
+    data_batch = keras.utils.pack_x_y_sample_weight(x, y, split_real_slots(sample_weight)[2])
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
 
@@ -511,7 +537,8 @@ def install():
 
     Also gives every model a ``dp_ledger`` property, so the privacy ledger is
     saved and loaded with the model's weights (``.keras``, ``.weights.h5``),
-    and works around Keras's MultiWorkerMirroredStrategy build failure.
+    and works around Keras's distributed build failure (uneven replica
+    shares, MultiWorkerMirroredStrategy).
     """
     trainer = internals.Trainer
     if trainer.compile is not _compile_with_dp_binding:
@@ -520,5 +547,5 @@ def install():
         trainer.dp_ledger = property(
             ledger_of, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
     tf_trainer = internals.TensorFlowTrainer
-    if tf_trainer._maybe_symbolic_build is not _symbolic_build_multi_worker_safe:
-        tf_trainer._maybe_symbolic_build = _symbolic_build_multi_worker_safe
+    if tf_trainer._maybe_symbolic_build is not _symbolic_build_distributed_safe:
+        tf_trainer._maybe_symbolic_build = _symbolic_build_distributed_safe
