@@ -96,26 +96,30 @@ def poisson_fit(strategy, unit, steps, seed, num_replicas=2, padding="bucket"):
             "updates": int(model.optimizer.dp_updates.numpy())}
 
 
-def main():
-    mode, args = sys.argv[1], json.loads(sys.argv[2])
+_STRATEGIES = {}
+
+
+def mirrored(replicas):
+    """One MirroredStrategy per replica count for the whole process (two
+    strategies over the same devices would reuse collective instance keys)."""
+    if replicas not in _STRATEGIES:
+        names = [d.name for d in tf.config.list_logical_devices("CPU")]
+        _STRATEGIES[replicas] = tf.distribute.MirroredStrategy(names[:replicas])
+    return _STRATEGIES[replicas]
+
+
+def run_job(mode, args):
+    """One case; MirroredStrategy cases need ``logical_cpus(2)`` called first."""
     if mode == "noise":
-        names = logical_cpus(2)
-        strategy = tf.distribute.MirroredStrategy(names[: args["replicas"]])
-        out = zero_gradient_update(strategy, args["sigma"], args["clip"], args["batch"],
-                                   args.get("accumulation", 1), args.get("seed", 1))
-    elif mode == "train":
-        names = logical_cpus(2)
-        strategy = tf.distribute.MirroredStrategy(names[: args["replicas"]])
-        out = tiny_training(strategy, args.get("accumulation", 1), args["steps"], args["batch"],
-                            args.get("jit", False), args.get("spe", 1))
-    elif mode == "multiworker":
-        # TF_CONFIG is set by the parent; one CPU device per worker process.
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        out = tiny_training(strategy, 1, args["steps"], args["batch"], optimizer="adam")
-        out["replicas"] = strategy.num_replicas_in_sync
-    elif mode == "poisson_fit":
-        names = logical_cpus(2)
-        strategy = tf.distribute.MirroredStrategy(names[: args["replicas"]])
+        strategy = mirrored(args["replicas"])
+        return zero_gradient_update(strategy, args["sigma"], args["clip"], args["batch"],
+                                    args.get("accumulation", 1), args.get("seed", 1))
+    if mode == "train":
+        strategy = mirrored(args["replicas"])
+        return tiny_training(strategy, args.get("accumulation", 1), args["steps"],
+                             args["batch"], args.get("jit", False), args.get("spe", 1))
+    if mode == "poisson_fit":
+        strategy = mirrored(args["replicas"])
         out = {unit: poisson_fit(strategy, unit, args["steps"], args["seed"])
                for unit in ("example", "user")}
         if args["replicas"] == 2:
@@ -125,11 +129,28 @@ def main():
                 out["uneven"] = "trained"
             except (ValueError, tf.errors.InvalidArgumentError) as error:
                 out["uneven"] = str(error)
-    elif mode == "single_adam":
-        out = tiny_training(tf.distribute.get_strategy(), 1, args["steps"], args["batch"],
-                            optimizer="adam")
+        return out
+    if mode == "single_adam":
+        return tiny_training(tf.distribute.get_strategy(), 1, args["steps"], args["batch"],
+                             optimizer="adam")
+    raise SystemExit(f"unknown mode {mode}")
+
+
+def main():
+    """``MODE ARGS`` runs one case; ``jobs {"name": [MODE, ARGS], ...}`` runs many
+    in one process (one TensorFlow start-up) and prints them by name."""
+    mode, args = sys.argv[1], json.loads(sys.argv[2])
+    if mode == "multiworker":
+        # TF_CONFIG is set by the parent; one CPU device per worker process.
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        out = tiny_training(strategy, 1, args["steps"], args["batch"], optimizer="adam")
+        out["replicas"] = strategy.num_replicas_in_sync
+    elif mode == "jobs":
+        logical_cpus(2)
+        out = {name: run_job(*job) for name, job in args.items()}
     else:
-        raise SystemExit(f"unknown mode {mode}")
+        logical_cpus(2)
+        out = run_job(mode, args)
     print("RESULT " + json.dumps(out), flush=True)
 
 

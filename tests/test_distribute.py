@@ -38,17 +38,41 @@ def run_worker(mode, timeout=600, **args):
     return _parse(proc.stdout, proc.stderr)
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_noise_std_is_sigma_c_over_global_batch_for_any_replica_count(replicas):
-    out = run_worker("noise", replicas=replicas, sigma=1.3, clip=0.8, batch=16)
+# Every MirroredStrategy case, run in one subprocess (one TensorFlow start-up).
+JOBS = {
+    "noise_1": ("noise", dict(replicas=1, sigma=1.3, clip=0.8, batch=16)),
+    "noise_2": ("noise", dict(replicas=2, sigma=1.3, clip=0.8, batch=16)),
+    "noise_2_acc4": ("noise", dict(replicas=2, sigma=0.9, clip=1.5, batch=32,
+                                   accumulation=4)),
+    "single": ("train", dict(replicas=1, steps=3, batch=8)),
+    "mirrored": ("train", dict(replicas=2, steps=3, batch=8)),
+    "mirrored_acc2": ("train", dict(replicas=2, steps=3, batch=8, accumulation=2)),
+    "mirrored_jit": ("train", dict(replicas=2, steps=3, batch=8, jit=True)),
+    "plain": ("train", dict(replicas=1, steps=8, batch=4)),
+    "jit_spe4": ("train", dict(replicas=1, steps=8, batch=4, jit=True, spe=4)),
+    "jit_spe4_acc2": ("train", dict(replicas=1, steps=8, batch=4, jit=True, spe=4,
+                                    accumulation=2)),
+    "poisson_1": ("poisson_fit", dict(replicas=1, steps=4, seed=3)),
+    "poisson_2": ("poisson_fit", dict(replicas=2, steps=4, seed=3)),
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_worker("jobs", **JOBS)
+
+
+@pytest.mark.parametrize("name", ["noise_1", "noise_2"])
+def test_noise_std_is_sigma_c_over_global_batch_for_any_replica_count(results, name):
+    out = results[name]
     assert out["updates"] == 1 and out["divisor"] == 16.0
     # Identical draws on the replicas would give sqrt(2) times the std, sigma*C
     # per replica as well: both fail this 5% band.
     assert abs(out["std"] / out["expected"] - 1) < 0.05
 
 
-def test_noise_std_with_accumulation_on_two_replicas():
-    out = run_worker("noise", replicas=2, sigma=0.9, clip=1.5, batch=32, accumulation=4)
+def test_noise_std_with_accumulation_on_two_replicas(results):
+    out = results["noise_2_acc4"]
     assert out["updates"] == 1 and out["divisor"] == 32.0
     assert abs(out["std"] / out["expected"] - 1) < 0.05
 
@@ -59,23 +83,20 @@ def _max_rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def test_two_replicas_and_accumulation_match_single_device_at_zero_noise():
-    single = run_worker("train", replicas=1, steps=3, batch=8)
-    mirrored = run_worker("train", replicas=2, steps=3, batch=8)
-    accumulated = run_worker("train", replicas=2, steps=3, batch=8, accumulation=2)
-    assert single["updates"] == mirrored["updates"] == accumulated["updates"] == 3
-    assert _max_rel(mirrored["weights"], single["weights"]) < 1e-5
-    assert _max_rel(accumulated["weights"], single["weights"]) < 1e-5
+def test_two_replicas_and_accumulation_match_single_device_at_zero_noise(results):
+    single = results["single"]
+    for name in ("mirrored", "mirrored_acc2", "mirrored_jit"):
+        assert results[name]["updates"] == 3
+        assert _max_rel(results[name]["weights"], single["weights"]) < 1e-5
 
 
-def test_fit_on_poisson_and_user_batches_on_two_replicas_matches_one_device():
+def test_fit_on_poisson_and_user_batches_on_two_replicas_matches_one_device(results):
     """``fit`` under MirroredStrategy on bucket-padded Poisson batches (the rate
     travels one per row, replicas may get uneven shares) and on user batches
     (``num_replicas=2`` keeps a user's rows on one replica) trains exactly as
     one device and records the same ledger; a user batch that the split would
     cut apart is refused."""
-    single = run_worker("poisson_fit", replicas=1, steps=4, seed=3)
-    mirrored = run_worker("poisson_fit", replicas=2, steps=4, seed=3)
+    single, mirrored = results["poisson_1"], results["poisson_2"]
     for unit, rate, cap in (("example", 0.2, 48), ("user", 0.25, 24)):
         one, two = single[unit], mirrored[unit]
         assert one["updates"] == two["updates"] == 4
@@ -87,11 +108,9 @@ def test_fit_on_poisson_and_user_batches_on_two_replicas_matches_one_device():
     assert "num_replicas" in mirrored["uneven"]
 
 
-def test_jit_compile_and_steps_per_execution():
-    plain = run_worker("train", replicas=1, steps=8, batch=4)
-    compiled = run_worker("train", replicas=1, steps=8, batch=4, jit=True, spe=4)
-    accumulated = run_worker("train", replicas=1, steps=8, batch=4, jit=True, spe=4,
-                             accumulation=2)
+def test_jit_compile_and_steps_per_execution(results):
+    plain, compiled, accumulated = (results[k] for k in ("plain", "jit_spe4",
+                                                         "jit_spe4_acc2"))
     assert compiled["updates"] == accumulated["updates"] == 8
     assert _max_rel(compiled["weights"], plain["weights"]) < 1e-5
     assert _max_rel(accumulated["weights"], plain["weights"]) < 1e-5
