@@ -375,22 +375,32 @@ def _batch_mean_model():
     return keras.Model(inputs, keras.layers.Dense(3)(centred))
 
 
-@pytest.mark.parametrize("case", ["batch_mean_layer", "in_batch_contrastive_loss"])
-def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case):
-    """Before: trained silently; one example moved the clipped sum by up to 5.3 C."""
+@pytest.mark.parametrize("case,jit", [("batch_mean_layer", False),
+                                      ("in_batch_contrastive_loss", False),
+                                      ("batch_mean_layer", True)])
+def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, jit):
+    """Before: trained silently; one example moved the clipped sum by up to 5.3 C.
+
+    Under ``jit_compile=True`` only the clipping core is one XLA program; the
+    probe and its assertion run outside it, so the refusal raises there too
+    (XLA drops assertions: inside it the batch could only add nothing)."""
+    from keras_dp_lm.training import step
+
     keras.utils.set_random_seed(0)
     if case == "batch_mean_layer":
         model, loss = _batch_mean_model(), "mse"
     else:
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         loss = _InBatchContrastive()
-    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0), loss=loss)
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0), loss=loss,
+                  jit_compile=jit)
     x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
     y = np.zeros((6, 3), "float32")
     before = _weights(model)
     with pytest.raises(tf.errors.InvalidArgumentError, match="mixes examples"):
         model.fit(x, y, batch_size=6, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    assert model.jit_compile is jit and (model in step._XLA_CORES) is jit
     # the exact engine differentiates each example alone: trainable, and bounded
     model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0,
                                       clipping="exact"), loss=loss)

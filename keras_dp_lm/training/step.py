@@ -24,6 +24,7 @@ bound for them.
 import collections
 import functools
 import types
+import weakref
 
 import keras
 import tensorflow as tf
@@ -286,6 +287,48 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
     return ClippedBatch(sums, losses.concat(), norms.concat(), mask)
 
 
+_XLA_CORES = weakref.WeakKeyDictionary()
+
+
+def _clipping_core(model):
+    """``_clipped_batch``, compiled with XLA when the model is (``jit_compile``).
+
+    A DP model compiled with ``jit_compile=True`` runs Keras's step as a plain
+    graph (see ``_make_train_function_with_xla_core``) and only this core (the
+    forward and backward passes and the clipping) as one XLA program. The
+    checks around it (the independence probe, the ledger's limits) then stay
+    outside XLA: their assertions raise as in graph mode, and the probe's
+    model passes add nothing to the XLA program's peak memory.
+    """
+    if not model.jit_compile:
+        return _clipped_batch
+    core = _XLA_CORES.get(model)
+    if core is None:
+        core = _XLA_CORES[model] = tf.function(_clipped_batch, jit_compile=True,
+                                               reduce_retracing=True)
+    return core
+
+
+def _make_train_function_with_xla_core(model):
+    """``model.make_train_function`` that builds Keras's step without XLA when
+    the model is compiled with ``jit_compile=True``: the DP step compiles its
+    own core instead (:func:`_clipping_core`). ``model.jit_compile`` stays
+    what the user set."""
+    make = model.make_train_function
+
+    def make_train_function(force=False):
+        if not model.jit_compile:
+            return make(force)
+        model.jit_compile = False
+        try:
+            return make(force)
+        finally:
+            model.jit_compile = True
+
+    make_train_function._keras_dp_lm_xla_core = True
+    return make_train_function
+
+
 def dp_train_step(model, data):
     """One DP update on one logical batch; the body of ``model.train_step``.
 
@@ -348,8 +391,8 @@ def dp_train_step(model, data):
         "Make each example's loss depend on that example alone, or compile the DP "
         "optimizer with clipping='exact' (each example differentiated alone)."])
     with tf.control_dependencies([refuse_mixing]):
-        result = _clipped_batch(model, (x, y, sample_weight), mask, update_metrics=True,
-                                examples_per_user=per_user or 1)
+        result = _clipping_core(model)(model, (x, y, sample_weight), mask, True,
+                                       per_user or 1)
     # Real units: examples, or users (a user with any real slot) in a user batch.
     local_size = tf.reduce_sum(
         clipping_module.user_slot_mask(result.mask, per_user or 1))
@@ -498,11 +541,14 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         refusals.check_model(self)
         ledger_of(self)  # created in the strategy scope compile runs in
         self.train_step = types.MethodType(dp_train_step, self)
+        if not getattr(own.get("make_train_function"), "_keras_dp_lm_xla_core", False):
+            self.make_train_function = _make_train_function_with_xla_core(self)
         if hasattr(self, "preprocess_samples"):
             self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
     elif isinstance(own.get("train_step"), types.MethodType) and \
             own["train_step"].__func__ is dp_train_step:
         del own["train_step"]  # recompiled without DP: unbind
+        own.pop("make_train_function", None)
 
 
 _original_symbolic_build = internals.TensorFlowTrainer._maybe_symbolic_build
