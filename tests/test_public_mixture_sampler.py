@@ -362,8 +362,8 @@ def test_rdp_budget_charges_dp_sampler_per_token(gpt2_models):
 # 5. generate() on tiny GPT-2 and Llama tasks, eager and XLA
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family,jit", [("gpt2", False), ("gpt2", True), ("llama", False),
-                                        ("llama", True)])
+# Eager Llama generation (46 s) adds no path that eager GPT-2 and XLA Llama miss.
+@pytest.mark.parametrize("family,jit", [("gpt2", False), ("gpt2", True), ("llama", True)])
 def test_generate_reduces_to_public_or_private_greedy(family, jit, gpt2_models, llama_models):
     models = gpt2_models if family == "gpt2" else llama_models
     public, private = models[0], models[1]
