@@ -20,7 +20,11 @@ Models:
 * ``gpt2`` with LoRA (issue 16): the same model after ``backbone.enable_lora(8)``
   (query / value adapters and their layers' biases trainable, everything else
   frozen), DP LoRA against non-private LoRA; these rows also measure peak RSS,
-  each side in its own process (``ru_maxrss`` after the warm-up and rounds).
+  each side in its own process (``ru_maxrss`` after the warm-up and rounds);
+* ``bf16`` rows: the same under Keras's ``mixed_bfloat16`` policy on both sides
+  (this CPU has no fast bfloat16 path: the ratio, not the speed, is the point);
+* ``smollm2``: the real pretrained SmolLM2-135M (``make data`` fetches it; read with
+  ``keras_dp_lm.models.load_gguf_causal_lm``), LoRA rank 8, sequence 64.
 
 oneDNN is left as TensorFlow sets it (on unless ``TF_ENABLE_ONEDNN_OPTS=0``); the
 section states which.
@@ -42,10 +46,13 @@ sys.path.insert(0, HERE)
 from _results import random_token_batch  # noqa: E402
 from _results import run_worker  # noqa: E402
 ROOT = os.path.dirname(HERE)
-CONFIGS = [  # (model, batch, jit_compile, LoRA rank or 0)
-    ("demo", 64, False, 0), ("demo", 512, False, 0), ("demo", 1037, False, 0),
-    ("demo", 512, True, 0), ("gpt2", 32, False, 0), ("gpt2", 32, True, 0),
-    ("gpt2", 32, False, 8), ("gpt2", 32, True, 8),
+CONFIGS = [  # (model, batch, jit_compile, LoRA rank or 0, dtype policy)
+    ("demo", 64, False, 0, "float32"), ("demo", 512, False, 0, "float32"),
+    ("demo", 1037, False, 0, "float32"), ("demo", 512, True, 0, "float32"),
+    ("gpt2", 32, False, 0, "float32"), ("gpt2", 32, True, 0, "float32"),
+    ("gpt2", 32, False, 8, "float32"), ("gpt2", 32, True, 8, "float32"),
+    ("gpt2", 32, False, 0, "mixed_bfloat16"), ("gpt2", 32, False, 8, "mixed_bfloat16"),
+    ("smollm2", 16, False, 8, "float32"),
 ]
 
 
@@ -58,6 +65,13 @@ def _model_and_batch(model, batch, lora=0):
         from bench_clipping import _gpt2_and_tokens
 
         lm, ids, mask = _gpt2_and_tokens(batch)
+    elif model == "smollm2":
+        from keras_dp_lm import models
+
+        keras.utils.set_random_seed(0)
+        lm = models.load_gguf_causal_lm(models.smollm2_path(), sequence_length=64)
+        lm.preprocessor = None
+        ids, mask = random_token_batch(batch, 64, lm.backbone.vocabulary_size)
     elif model == "demo":
         sys.path.insert(0, ROOT)
         from demo.run import MODEL_SIZES
@@ -75,13 +89,14 @@ def _model_and_batch(model, batch, lora=0):
     return lm, (x, ids[:, 1:], mask[:, 1:].astype("float32"))
 
 
-def _train_step(model, batch, jit, private, lora=0):
+def _train_step(model, batch, jit, private, lora=0, policy="float32"):
     """A zero-argument callable running one compiled train step."""
     import keras
     import tensorflow as tf
 
     import keras_dp_lm as kdp
 
+    keras.mixed_precision.set_global_policy(policy)
     lm, data = _model_and_batch(model, batch, lora)
     if private:
         optimizer = kdp.DPAdam(1e-4, l2_norm_clip=0.1, noise_multiplier=1.0,
@@ -96,13 +111,14 @@ def _train_step(model, batch, jit, private, lora=0):
     return lambda: lm.train_function(iter([tensors]))
 
 
-def _worker(model, batch, jit, rounds, warmup, lora, only=None):
+def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32"):
     """Alternate the two steps (or run ``only`` one, for its peak RSS)."""
     import resource
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sides = [only] if only else ["nonprivate", "dp"]
-    steps = {name: _train_step(model, batch, jit, name == "dp", lora) for name in sides}
+    steps = {name: _train_step(model, batch, jit, name == "dp", lora, policy)
+             for name in sides}
     built_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     first = {}
     for name, step in steps.items():
@@ -119,7 +135,8 @@ def _worker(model, batch, jit, rounds, warmup, lora, only=None):
             cpu[name].append(time.process_time() - c0)
             wall[name].append(time.perf_counter() - w0)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    out = dict(model=model, batch=batch, jit=jit, lora=lora, rounds=rounds, warmup_s=first,
+    out = dict(model=model, batch=batch, jit=jit, lora=lora, policy=policy, rounds=rounds,
+               warmup_s=first,
                cpu_s={k: statistics.median(v) for k, v in cpu.items()},
                wall_s={k: statistics.median(v) for k, v in wall.items()},
                peak_rss_mb=peak_mb, rss_after_build_mb=built_mb)
@@ -130,13 +147,14 @@ def _worker(model, batch, jit, rounds, warmup, lora, only=None):
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _run(model, batch, jit, lora, rounds, warmup):
+def _run(model, batch, jit, lora, policy, rounds, warmup):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model, "--batch",
            str(batch), "--rounds", str(rounds), "--warmup", str(warmup),
-           "--lora", str(lora)] + (["--jit"] if jit else [])
-    what = f"worker {model} B={batch} jit={jit} lora={lora}"
+           "--lora", str(lora), "--policy", policy] + (["--jit"] if jit else [])
+    what = f"worker {model} B={batch} jit={jit} lora={lora} {policy}"
     result = run_worker(cmd, what)
-    line = f"  {model} B={batch} jit={jit} lora={lora}: DP / non-private CPU {result['ratio']:.2f}x"
+    line = (f"  {model} B={batch} jit={jit} lora={lora} {policy}: DP / non-private CPU "
+            f"{result['ratio']:.2f}x")
     if lora:   # peak memory, each side alone in its own process
         result["peak"] = {side: run_worker(cmd + ["--only", side], f"{what} {side}")
                           for side in ("nonprivate", "dp")}
@@ -151,7 +169,8 @@ def _peak_ratio(result):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worker", choices=["demo", "gpt2"])
+    parser.add_argument("--worker", choices=["demo", "gpt2", "smollm2"])
+    parser.add_argument("--policy", default="float32", choices=["float32", "mixed_bfloat16"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--jit", action="store_true")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: no LoRA)")
@@ -163,24 +182,27 @@ def main():
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker, args.batch, args.jit, args.rounds, args.warmup, args.lora,
-                args.only)
+                args.only, args.policy)
         return
 
     configs = CONFIGS[:1] + CONFIGS[4:5] if args.quick else CONFIGS
     if args.lora:   # only the LoRA rows, at this rank (no file written)
-        configs = [(m, b, j, args.lora) for m, b, j, lora in CONFIGS if lora]
+        configs = [(m, b, j, args.lora, p) for m, b, j, lora, p in CONFIGS if lora]
     rounds = 2 if args.quick else args.rounds
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() not in ("0", "false")
     load_before = os.getloadavg()
-    results = [_run(m, b, j, lora, rounds, args.warmup) for m, b, j, lora in configs]
+    results = [_run(m, b, j, lora, p, rounds, args.warmup) for m, b, j, lora, p in configs]
     load_after = os.getloadavg()
     if args.quick or args.lora:
         return
     targets = {"demo": 1.3, "gpt2": 1.10, "lora": 1.15}
+    names = {"demo": "demo", "gpt2": "gpt2", "smollm2": "SmolLM2-135M"}
     rows = []
     for r in results:
         target = targets["lora" if r["lora"] else r["model"]]
-        model = f"{r['model']} LoRA r={r['lora']}" if r["lora"] else r["model"]
+        model = names[r["model"]] + (f" LoRA r={r['lora']}" if r["lora"] else "")
+        if r["policy"] != "float32":
+            model += " bf16"
         memory = (f"{_peak_ratio(r):.2f}x ({r['peak']['nonprivate']['peak_rss_mb']:.0f} / "
                   f"{r['peak']['dp']['peak_rss_mb']:.0f} MB), <= 1.1x "
                   f"{'met' if _peak_ratio(r) <= 1.10 else 'NOT met'}" if r["lora"] else "")
@@ -204,9 +226,12 @@ def main():
   each, then {rounds} rounds; ratio = median over rounds of DP / non-private process CPU
   time (min-max over rounds in brackets); every slot a real example
 - demo = the demo's `tiny` Llama (2 x 64, vocabulary 512, sequence 48); gpt2 = GPT-2
-  4 x 256, vocabulary 8192, sequence 128; LoRA rows: `backbone.enable_lora(8)`, DP LoRA
-  vs non-private LoRA (targets: time <= 1.15x, peak RSS <= 1.10x, each side's peak RSS
-  measured alone in its own process)
+  4 x 256, vocabulary 8192, sequence 128; SmolLM2-135M = the real pretrained model
+  (30 x 576, vocabulary 49,152, read from its GGUF file), sequence 64; LoRA rows:
+  `backbone.enable_lora(8)`, DP LoRA vs non-private LoRA (targets: time <= 1.15x, peak
+  RSS <= 1.10x, each side's peak RSS measured alone in its own process); bf16 rows:
+  `mixed_bfloat16` on both sides (no fast bfloat16 kernels on this CPU: compare the
+  ratios, not the seconds)
 
 | model | batch | XLA | non-private CPU s/step | DP CPU s/step | DP / non-private CPU | wall ratio | target | LoRA peak RSS DP / non-private |
 |---|---:|---|---:|---:|---:|---:|---|---|
