@@ -381,9 +381,10 @@ def _batch_mean_model():
 def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, jit):
     """Before: trained silently; one example moved the clipped sum by up to 5.3 C.
 
-    Under ``jit_compile=True`` only the clipping core is one XLA program; the
-    probe and its assertion run outside it, so the refusal raises there too
-    (XLA drops assertions: inside it the batch could only add nothing)."""
+    ``fit`` probes in a call of its own before the first step (ValueError).
+    A custom-loop step probes inside the step; under ``jit_compile=True``
+    only the clipping core is one XLA program, so the probe's assertion runs
+    outside it and raises there too (XLA drops assertions)."""
     from keras_dp_lm.training import step
 
     keras.utils.set_random_seed(0)
@@ -397,9 +398,12 @@ def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, j
     x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
     y = np.zeros((6, 3), "float32")
     before = _weights(model)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="mixes examples"):
+    with pytest.raises(ValueError, match="mixes examples"):
         model.fit(x, y, batch_size=6, verbose=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="mixes examples"):
+        kdp.make_private(model)((x, y))
     assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    assert kdp.ledger_of(model).updates == 0
     assert model.jit_compile is jit and (model in step._XLA_CORES) is jit
     # the exact engine differentiates each example alone: trainable, and bounded
     model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0,
@@ -414,6 +418,47 @@ def test_the_independence_probe_runs_once_and_passes_ordinary_models():
     model.fit(x, y, batch_size=4, verbose=0)
     ledger = kdp.ledger_of(model)
     assert int(ledger.independence_checked.numpy()) == 1 and ledger.updates == 3
+    assert ledger.probed_before_step  # the step was traced without the probe
+
+
+def test_a_first_batch_of_one_example_leaves_the_probe_to_the_next_batch():
+    """One example cannot show mixing: the step keeps its in-graph probe and the
+    next batch is probed (and refused) before its update."""
+    keras.utils.set_random_seed(0)
+    model = _batch_mean_model()
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.random.default_rng(1).normal(size=(7, 4)).astype("float32")
+    y = np.zeros((7, 3), "float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y))
+    ds = ds.take(1).batch(1).concatenate(ds.skip(1).batch(6))
+    with pytest.raises(ValueError, match="mixes examples"):
+        model.fit(ds, verbose=0)
+    ledger = kdp.ledger_of(model)
+    assert ledger.updates == 1 and not ledger.probed_before_step
+
+
+def test_a_recompile_with_a_loss_that_mixes_examples_is_probed_again():
+    """Before: the probe's pass survived ``compile``, so a model that had
+    trained with MSE and was recompiled with an in-batch contrastive loss
+    trained on it unprobed (fast clipping cannot bound that loss)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
+    y = np.zeros((6, 3), "float32")
+    model.fit(x, y, batch_size=6, verbose=0)
+    assert int(kdp.ledger_of(model).independence_checked.numpy()) == 1
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss=_InBatchContrastive())
+    before = _weights(model)
+    with pytest.raises(ValueError, match="mixes examples"):
+        model.fit(x, y, batch_size=6, verbose=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="mixes examples"):
+        kdp.make_private(model)((x, y))
+    assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    assert kdp.ledger_of(model).updates == 1
 
 
 class _Memorizer(keras.layers.Layer):

@@ -58,6 +58,11 @@ def has_compiled_metrics(model):
     return model._compile_metrics is not None or bool(model._metrics)
 
 
+def distribute_strategy_of(model):
+    """The strategy the model was created under, or None."""
+    return model._distribute_strategy
+
+
 def loss_tracker(model):
     return model._loss_tracker
 

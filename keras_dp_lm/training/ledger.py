@@ -80,6 +80,9 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             self.independence_checked = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_independence_checked",
                 aggregation="only_first_replica")
+        # True once the probe passed in a call of its own before the step (the
+        # step is then traced without it); Python only, reset with the above.
+        self.probed_before_step = False
 
     # -- Keras saving (the ledger is saved with the model's weights) ---------
     def _obj_type(self):
@@ -133,6 +136,12 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.limits.assign(np.array(
             [noise_multiplier, sampling_rate, batch_size], dtype="float64"))
         self.violations.assign(0)
+
+    def reset_independence(self):
+        """Forget that the example-independence probe passed (a recompile may
+        bring a loss that mixes examples): the next batch is probed again."""
+        self.independence_checked.assign(0)
+        self.probed_before_step = False
 
     def clear_limits(self):
         self.limits.assign(np.zeros((3,)))

@@ -183,27 +183,25 @@ def _replace_first(structure, donor):
     return tf.nest.map_structure(one, structure)
 
 
-def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
-    """Whether each example's loss depends on that example alone (a bool tensor).
+def independence_probe(losses_fn, batch, mask, rtol=1e-4):
+    """``(ok, meaningful)``: whether each example's loss depends on that example
+    alone, and whether the probe could tell (two distinct real examples).
 
     Runs ``losses_fn(batch) -> [B]`` (inference mode, so dropout draws nothing)
-    on the batch and on the batch with example 0 replaced by example 1: every
-    other example's loss must stay the same and example 0's must become example
-    1's. A layer or loss that mixes examples (batch statistics, attention or
-    similarity across the batch) changes them. Once a batch with two distinct
-    real examples has passed, later steps skip the probe (the model's structure
-    does not change); a failing probe makes the DP step refuse the batch.
+    on the first few rows of the batch and on them with example 0 replaced by
+    example 1: every other example's loss must stay the same and example 0's
+    must become example 1's. A layer or loss that mixes examples (batch
+    statistics, attention or similarity across the batch) changes them.
     """
-    ledger = _ledger(model)
     # A few rows suffice to see mixing, and keep the probe cheap for huge
     # (accumulated) logical batches.
     batch = tf.nest.map_structure(
         lambda t: t if t is None or t.shape.rank == 0 else t[:_PROBE_ROWS], batch)
     mask = mask[:_PROBE_ROWS]
     if mask.shape[0] is not None and mask.shape[0] < 2:
-        return tf.constant(True)  # one example: nothing to mix with
+        return tf.constant(True), tf.constant(False)  # one example: nothing to mix with
 
-    def probe():
+    def compare():
         losses = tf.cast(losses_fn(batch), tf.float32)
         swapped = tf.cast(losses_fn(_replace_first(batch, 1)), tf.float32)
         expected = tf.concat([losses[1:2], losses[1:]], axis=0)
@@ -219,12 +217,30 @@ def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
         distinct = both_real & (tf.abs(losses[0] - losses[1]) > tolerance[0])
         return tf.logical_or(same, tf.logical_not(both_real)), distinct
 
+    def one_example():
+        return tf.constant(True), tf.constant(False)
+
+    return tf.cond(tf.shape(mask)[0] >= 2, compare, one_example)
+
+
+def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
+    """:func:`independence_probe` inside a traced step (a bool tensor).
+
+    Once a batch with two distinct real examples has passed, later steps skip
+    the probe (the model's structure does not change; a compile resets it);
+    a failing probe makes the DP step refuse the batch.
+    """
+    ledger = _ledger(model)
+    if mask.shape[0] is not None and mask.shape[0] < 2:
+        return tf.constant(True)  # one example: nothing to mix with
+
+    def probe():
+        return independence_probe(losses_fn, batch, mask, rtol)
+
     def skip():
         return tf.constant(True), tf.constant(False)
 
-    size = tf.shape(mask)[0]
-    needed = (ledger.independence_checked < 1) & (size >= 2)
-    ok, done = tf.cond(needed, probe, skip)
+    ok, done = tf.cond(ledger.independence_checked < 1, probe, skip)
     ledger.independence_checked.assign(
         tf.maximum(ledger.independence_checked, tf.cast(done & ok, tf.int64)))
     return ok

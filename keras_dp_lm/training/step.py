@@ -23,6 +23,7 @@ bound for them.
 
 import collections
 import functools
+import itertools
 import types
 import weakref
 
@@ -294,7 +295,7 @@ def _clipping_core(model):
     """``_clipped_batch``, compiled with XLA when the model is (``jit_compile``).
 
     A DP model compiled with ``jit_compile=True`` runs Keras's step as a plain
-    graph (see ``_make_train_function_with_xla_core``) and only this core (the
+    graph (see ``_dp_make_train_function``) and only this core (the
     forward and backward passes and the clipping) as one XLA program. The
     checks around it (the independence probe, the ledger's limits) then stay
     outside XLA: their assertions raise as in graph mode, and the probe's
@@ -309,14 +310,35 @@ def _clipping_core(model):
     return core
 
 
-def _make_train_function_with_xla_core(model):
-    """``model.make_train_function`` that builds Keras's step without XLA when
-    the model is compiled with ``jit_compile=True``: the DP step compiles its
-    own core instead (:func:`_clipping_core`). ``model.jit_compile`` stays
-    what the user set."""
+_MIXING_REFUSED = (
+    "keras_dp_lm refused the batch: one example's loss depends on other examples "
+    "of the batch (a layer or loss mixes examples: batch statistics, attention or "
+    "similarity across the batch axis). Fast clipping cannot bound such a model. "
+    "Make each example's loss depend on that example alone, or compile the DP "
+    "optimizer with clipping='exact' (each example differentiated alone).")
+
+
+def _inference_losses(model):
+    """``part -> [B]`` per-example losses in inference mode (the probe's passes)."""
+    def losses(part):
+        px, py, psw = part
+        return per_example_losses(model, px, py, model(px, training=False), psw)
+    return losses
+
+
+def _dp_make_train_function(model):
+    """``model.make_train_function`` for a DP model.
+
+    * With ``jit_compile=True`` Keras's step is built without XLA and the DP
+      step compiles its own core instead (:func:`_clipping_core`);
+      ``model.jit_compile`` stays what the user set.
+    * The train function it returns runs fast clipping's independence probe
+      before the first step, as a call of its own
+      (:func:`_train_function_probing_first`).
+    """
     make = model.make_train_function
 
-    def make_train_function(force=False):
+    def build(force):
         if not model.jit_compile:
             return make(force)
         model.jit_compile = False
@@ -325,8 +347,89 @@ def _make_train_function_with_xla_core(model):
         finally:
             model.jit_compile = True
 
-    make_train_function._keras_dp_lm_xla_core = True
+    def make_train_function(force=False):
+        build(force)  # sets model.train_function, which fit and train_on_batch call
+        function = model.train_function
+        if not getattr(function, "_keras_dp_lm_probes_first", False):
+            function = model.train_function = _train_function_probing_first(model, function)
+        return function
+
+    make_train_function._keras_dp_lm_binding = True
     return make_train_function
+
+
+_PROBES = weakref.WeakKeyDictionary()
+
+
+def _probe_batch(model, data, spec=None):
+    """Run the independence probe on ``data`` (a batch as the step gets it,
+    traced at ``spec`` if given); raise before any update if the model mixes
+    examples or its forward pass writes model variables."""
+    probe = _PROBES.get(model)
+    if probe is None:
+        def run(batch):
+            x, y, sample_weight, mask, _, _ = _unpack(batch)
+            # refused on the traced graph, before it runs, if it writes variables
+            return refusals.without_state_updates(model, lambda: refusals.independence_probe(
+                _inference_losses(model), (x, y, sample_weight), mask))
+        probe = _PROBES[model] = tf.function(run, reduce_retracing=True)
+    if spec is not None:
+        probe = probe.get_concrete_function(spec)
+    ok, meaningful = probe(data)
+    if not bool(ok):
+        raise ValueError(_MIXING_REFUSED)
+    if bool(meaningful):
+        ledger = ledger_of(model)
+        ledger.independence_checked.assign(1)
+        ledger.probed_before_step = True
+        _PROBES.pop(model, None)  # its graph is not needed again
+
+
+def _train_function_probing_first(model, train_function):
+    """``train_function`` that runs the independence probe on the first batch
+    as its own call, before the step.
+
+    The probe (:func:`keras_dp_lm.training.refusals.examples_independent`)
+    is two inference passes; inside the step's graph it costs its whole
+    program on every step even when it is skipped: on SmolLM2-135M with LoRA,
+    415 MB of peak RSS and 27 s of the first step's compile time. Once a probe
+    has passed, the step is traced without it
+    (``ledger.probed_before_step``). The batch the probe ran on is then
+    trained on as usual. Under a ``tf.distribute`` strategy, with
+    ``run_eagerly=True`` and in custom loops (:func:`make_private`) the step
+    probes inside itself instead.
+    """
+    def run(iterator):
+        ledger = ledger_of(model)
+        if (ledger.probed_before_step or model.optimizer.clipping == "exact"
+                or model.run_eagerly
+                or isinstance(iterator, tf.distribute.DistributedIterator)
+                or tf.distribute.has_strategy()
+                or internals.distribute_strategy_of(model) is not None):
+            return train_function(iterator)
+        steps = max(1, int(model.steps_per_execution))
+        if isinstance(iterator, tf.data.Iterator):
+            batches = []
+            for _ in range(steps):
+                element = iterator.get_next_as_optional()
+                if not element.has_value():
+                    break
+                batches.append(element.get_value())
+            if not batches:
+                raise StopIteration
+            _probe_batch(model, batches[0], iterator.element_spec)
+            # The same element spec as the dataset's, so Keras's traced loop
+            # over the iterator is reused (not traced again for this call).
+            replay = tf.data.Dataset.from_generator(
+                lambda: iter(batches), output_signature=iterator.element_spec)
+            return train_function(iter(replay))
+        iterator = iter(iterator)
+        first = next(iterator)
+        _probe_batch(model, first)
+        return train_function(itertools.chain([first], iterator))
+
+    run._keras_dp_lm_probes_first = True
+    return run
 
 
 def dp_train_step(model, data):
@@ -377,19 +480,12 @@ def dp_train_step(model, data):
             "examples: pass expected_batch_size=sampling_rate * dataset_size to the "
             "DP optimizer.")
     independent = tf.constant(True)
-    if optimizer.clipping != "exact":
-        def inference_losses(part):
-            px, py, psw = part
-            return per_example_losses(model, px, py, model(px, training=False), psw)
-
+    if optimizer.clipping != "exact" and not ledger.probed_before_step:
+        # fit / train_on_batch probe before the first step, in a call of its
+        # own (_train_function_probing_first); other callers probe here.
         independent = refusals.examples_independent(
-            model, inference_losses, (x, y, sample_weight), mask)
-    refuse_mixing = tf.debugging.Assert(independent, [
-        "keras_dp_lm refused the batch: one example's loss depends on other examples "
-        "of the batch (a layer or loss mixes examples: batch statistics, attention or "
-        "similarity across the batch axis). Fast clipping cannot bound such a model. "
-        "Make each example's loss depend on that example alone, or compile the DP "
-        "optimizer with clipping='exact' (each example differentiated alone)."])
+            model, _inference_losses(model), (x, y, sample_weight), mask)
+    refuse_mixing = tf.debugging.Assert(independent, [_MIXING_REFUSED])
     with tf.control_dependencies([refuse_mixing]):
         result = _clipping_core(model)(model, (x, y, sample_weight), mask, True,
                                        per_user or 1)
@@ -541,8 +637,9 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         refusals.check_model(self)
         ledger_of(self)  # created in the strategy scope compile runs in
         self.train_step = types.MethodType(dp_train_step, self)
-        if not getattr(own.get("make_train_function"), "_keras_dp_lm_xla_core", False):
-            self.make_train_function = _make_train_function_with_xla_core(self)
+        ledger_of(self).reset_independence()  # a new loss: probe again
+        if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
+            self.make_train_function = _dp_make_train_function(self)
         if hasattr(self, "preprocess_samples"):
             self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
     elif isinstance(own.get("train_step"), types.MethodType) and \
