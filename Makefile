@@ -32,10 +32,12 @@ else
 	$(PY) demo/run.py --data-dir $(DATA) --output-dir demo_output $(if $(UNIT),--privacy-unit $(UNIT))
 endif
 
-# The full suite: tests/ and every docstring example in the package.
+# The full suite: tests/ and every docstring example in the package, on two worker
+# processes (-n 2; each test file stays on one worker, --dist loadfile, so module
+# fixtures run once).
 test: install data
 	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY) -m pytest -q -p no:cacheprovider \
-		tests keras_dp_lm --doctest-modules
+		-n 2 --dist loadfile tests keras_dp_lm --doctest-modules
 
 # The edit loop (under 2 minutes): tests not marked slow or zoo, no doctests.
 test-fast: install data
