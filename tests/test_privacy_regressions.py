@@ -375,6 +375,16 @@ def _batch_mean_model():
     return keras.Model(inputs, keras.layers.Dense(3)(centred))
 
 
+def _assert_mixing_refused_before_any_update(model, x, y):
+    """``fit`` (probe before the step) and a custom-loop step (probe inside it)."""
+    before = _weights(model)
+    with pytest.raises(ValueError, match="mixes examples"):
+        model.fit(x, y, batch_size=len(x), verbose=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="mixes examples"):
+        kdp.make_private(model)((x, y))
+    assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+
+
 @pytest.mark.parametrize("case,jit", [("batch_mean_layer", False),
                                       ("in_batch_contrastive_loss", False),
                                       ("batch_mean_layer", True)])
@@ -397,12 +407,7 @@ def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, j
                   jit_compile=jit)
     x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
     y = np.zeros((6, 3), "float32")
-    before = _weights(model)
-    with pytest.raises(ValueError, match="mixes examples"):
-        model.fit(x, y, batch_size=6, verbose=0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="mixes examples"):
-        kdp.make_private(model)((x, y))
-    assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    _assert_mixing_refused_before_any_update(model, x, y)
     assert kdp.ledger_of(model).updates == 0
     assert model.jit_compile is jit and (model in step._XLA_CORES) is jit
     # the exact engine differentiates each example alone: trainable, and bounded
@@ -452,12 +457,7 @@ def test_a_recompile_with_a_loss_that_mixes_examples_is_probed_again():
     assert int(kdp.ledger_of(model).independence_checked.numpy()) == 1
     model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
                   loss=_InBatchContrastive())
-    before = _weights(model)
-    with pytest.raises(ValueError, match="mixes examples"):
-        model.fit(x, y, batch_size=6, verbose=0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="mixes examples"):
-        kdp.make_private(model)((x, y))
-    assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    _assert_mixing_refused_before_any_update(model, x, y)
     assert kdp.ledger_of(model).updates == 1
 
 
