@@ -472,8 +472,10 @@ class _Memorizer(keras.layers.Layer):
         self.mem = self.add_weight(shape=(shape[-1],), initializer="zeros",
                                    trainable=self.how == "trainable")
 
-    def call(self, x):
+    def call(self, x, training=None):
         row = tf.cast(x[0], self.mem.dtype)
+        if self.how == "inference" and training:
+            return x  # writes only in inference mode: only the probe's passes write
         if self.how == "cond":
             tf.cond(tf.reduce_sum(row) > -1e30, lambda: self.mem.assign(row),
                     lambda: self.mem.assign(row))
@@ -498,6 +500,44 @@ def test_forward_writes_to_variables_are_refused_wherever_they_hide(how, clippin
     with pytest.raises(ValueError, match="writes model variables"):
         model.fit(x, np.zeros((4, 3), "float32"), batch_size=4, verbose=0)
     assert not np.any(model.layers[0].mem.numpy())
+
+
+@pytest.mark.parametrize("path", ["fit", "custom_loop", "run_eagerly"])
+def test_the_probes_own_passes_may_not_write_variables(path):
+    """Review finding: a layer writing a variable only in inference mode (so only
+    the independence probe's passes run it) kept a training example in the model
+    on the paths that probe inside the step (custom loops, run_eagerly)."""
+    model = keras.Sequential([keras.Input((4,)), _Memorizer("inference"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=0.0),
+                  loss="mse", run_eagerly=path == "run_eagerly")
+    x = np.random.default_rng(3).normal(size=(4, 4)).astype("float32")
+    y = np.zeros((4, 3), "float32")
+    with pytest.raises(ValueError, match="writes model variables"):
+        if path == "custom_loop":
+            kdp.make_private(model)((x, y))
+        else:
+            model.fit(x, y, batch_size=4, verbose=0)
+    assert not np.any(model.layers[0].mem.numpy())
+    assert kdp.ledger_of(model).updates == 0
+
+
+def test_a_recompile_traces_the_probe_anew():
+    """Review finding: a probe that passed without telling (identical examples)
+    stayed traced with the old loss; after a recompile with an in-batch
+    contrastive loss it passed again, and the loss trained unprobed."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
+    y = np.zeros((6, 3), "float32")
+    model.fit(np.repeat(x[:1], 6, axis=0), y, batch_size=6, verbose=0)
+    assert not kdp.ledger_of(model).probed_before_step  # it could not tell
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss=_InBatchContrastive())
+    _assert_mixing_refused_before_any_update(model, x, y)
+    assert kdp.ledger_of(model).updates == 1
 
 
 def test_a_nan_example_in_the_first_batch_does_not_trip_the_independence_probe():

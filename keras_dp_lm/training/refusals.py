@@ -132,7 +132,7 @@ def without_state_updates(model, forward):
     step), including graphs nested in it (``tf.while_loop`` / ``tf.cond``
     bodies, e.g. the exact engine's per-example loop, and function calls),
     for every variable-writing op (assign, scatter, strided-slice assign); in
-    eager mode, by comparing the variables' values.
+    eager mode, by comparing the variables' values (and restoring them).
     """
     seeds = _seed_state_ids(model)
     # trainable variables too: a forward pass that assigns one (from data)
@@ -146,6 +146,9 @@ def without_state_updates(model, forward):
         result = forward()
         written = [v for v, b in zip(watched, before)
                    if not bool(tf.reduce_all(tf.equal(v.value, b)))]
+        for v, b in zip(watched, before):
+            if any(v is w for w in written):
+                v.assign(b)  # undone: the batch's data must not stay in the model
     else:
         start = len(graph.get_operations())
         result = forward()
@@ -240,7 +243,10 @@ def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
     def skip():
         return tf.constant(True), tf.constant(False)
 
-    ok, done = tf.cond(ledger.independence_checked < 1, probe, skip)
+    # Its passes must not write model variables either (fit's probe before the
+    # step is checked the same way).
+    ok, done = without_state_updates(
+        model, lambda: tf.cond(ledger.independence_checked < 1, probe, skip))
     ledger.independence_checked.assign(
         tf.maximum(ledger.independence_checked, tf.cast(done & ok, tf.int64)))
     return ok

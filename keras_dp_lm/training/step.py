@@ -637,7 +637,9 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         refusals.check_model(self)
         ledger_of(self)  # created in the strategy scope compile runs in
         self.train_step = types.MethodType(dp_train_step, self)
-        ledger_of(self).reset_independence()  # a new loss: probe again
+        # A new loss (or model) is probed again, by a probe traced anew.
+        ledger_of(self).reset_independence()
+        _PROBES.pop(self, None)
         if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
             self.make_train_function = _dp_make_train_function(self)
         if hasattr(self, "preprocess_samples"):
