@@ -47,6 +47,7 @@ test-fast: install data
 bench: install data
 	$(PY) benchmarks/bench_clipping.py
 	$(PY) benchmarks/bench_dp_step.py
+	$(PY) benchmarks/bench_dp_step.py --users
 	$(PY) benchmarks/bench_vocab.py
 	$(PY) benchmarks/bench_sampler.py
 	$(PY) benchmarks/dp_decoding_utility.py

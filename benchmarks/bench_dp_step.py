@@ -34,6 +34,7 @@ section states which.
     .venv/bin/python benchmarks/bench_dp_step.py            # all rows, writes RESULTS.md
     .venv/bin/python benchmarks/bench_dp_step.py --quick    # 2 rows, 2 rounds, no file
     .venv/bin/python benchmarks/bench_dp_step.py --lora 8   # the LoRA rows only, no file
+    .venv/bin/python benchmarks/bench_dp_step.py --users    # user-level rows, own section
 """
 
 import argparse
@@ -107,9 +108,11 @@ def _model_and_batch(model, batch, lora=0):
     return lm, (x, ids[:, 1:], mask[:, 1:].astype("float32"))
 
 
-def _train_step(model, batch, jit, private, lora=0, policy="float32"):
-    """A zero-argument callable running one compiled train step."""
+def _train_step(model, batch, jit, private, lora=0, policy="float32", users=0):
+    """A zero-argument callable running one compiled train step. ``users``: the
+    DP side trains at the user level, ``users`` examples per user (every slot real)."""
     import keras
+    import numpy as np
     import tensorflow as tf
 
     import keras_dp_lm as kdp
@@ -117,8 +120,13 @@ def _train_step(model, batch, jit, private, lora=0, policy="float32"):
     keras.mixed_precision.set_global_policy(policy)
     lm, data = _model_and_batch(model, batch, lora)
     if private:
+        units = batch // users if users else batch
         optimizer = kdp.DPAdam(1e-4, l2_norm_clip=0.1, noise_multiplier=1.0,
-                               clipping="fast", expected_batch_size=float(batch), seed=0)
+                               clipping="fast", expected_batch_size=float(units), seed=0)
+        if users:
+            x, y, sample_weight = data
+            data = (x, y, kdp.data.attach_real_slots(
+                sample_weight, np.ones((units, users), "float32"), 0.01))
     else:
         optimizer = keras.optimizers.Adam(1e-4)
     lm.compile(optimizer=optimizer, weighted_metrics=[], jit_compile=jit,
@@ -129,13 +137,13 @@ def _train_step(model, batch, jit, private, lora=0, policy="float32"):
     return lambda: lm.train_function(iter([tensors]))
 
 
-def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32"):
+def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32", users=0):
     """Alternate the two steps (or run ``only`` one, for its peak RSS)."""
     import resource
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sides = [only] if only else ["nonprivate", "dp"]
-    steps = {name: _train_step(model, batch, jit, name == "dp", lora, policy)
+    steps = {name: _train_step(model, batch, jit, name == "dp", lora, policy, users)
              for name in sides}
     built_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     first = {}
@@ -154,6 +162,7 @@ def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32"
             wall[name].append(time.perf_counter() - w0)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     out = dict(model=model, batch=batch, jit=jit, lora=lora, policy=policy, rounds=rounds,
+               users=users,
                warmup_s=first,
                cpu_s={k: statistics.median(v) for k, v in cpu.items()},
                wall_s={k: statistics.median(v) for k, v in wall.items()},
@@ -165,11 +174,12 @@ def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32"
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _run(model, batch, jit, lora, policy, rounds, warmup):
+def _run(model, batch, jit, lora, policy, rounds, warmup, users=0):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model, "--batch",
            str(batch), "--rounds", str(rounds), "--warmup", str(warmup),
-           "--lora", str(lora), "--policy", policy] + (["--jit"] if jit else [])
-    what = f"worker {model} B={batch} jit={jit} lora={lora} {policy}"
+           "--lora", str(lora), "--policy", policy,
+           "--examples-per-user", str(users)] + (["--jit"] if jit else [])
+    what = f"worker {model} B={batch} jit={jit} lora={lora} {policy} users={users}"
     result = run_worker(cmd, what)
     line = (f"  {model} B={batch} jit={jit} lora={lora} {policy}: DP / non-private CPU "
             f"{result['ratio']:.2f}x")
@@ -179,6 +189,39 @@ def _run(model, batch, jit, lora, policy, rounds, warmup):
         line += f", peak RSS {_peak_ratio(result):.2f}x"
     print(line, flush=True)
     return result
+
+
+USER_CONFIGS = [("demo", 512, 4), ("gpt2", 32, 4)]  # (model, rows, examples per user)
+
+
+def _user_level(rounds, warmup):
+    """User-level DP step vs the non-private step on the same rows."""
+    results = [_run(m, b, False, 0, "float32", rounds, warmup, users=k)
+               for m, b, k in USER_CONFIGS]
+    rows = [f"| {r['model']} | {r['batch']} | {r['users']} | {r['batch'] // r['users']} | "
+            f"{r['cpu_s']['nonprivate']:.3f} | {r['cpu_s']['dp']:.3f} | "
+            f"**{r['ratio']:.2f}x** ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |"
+            for r in results]
+    from _results import machine_line
+    from _results import write_section
+
+    md = f"""## User-level DP train step vs non-private (issue 16, item 5)
+
+- machine: {machine_line()}
+- command: `python benchmarks/bench_dp_step.py --users`
+- as the section above (same models, `train_function`, {warmup} warm-up steps, {rounds}
+  alternating rounds, median DP / non-private process CPU time), but the DP side trains
+  on user batches (`attach_real_slots` with a `[users, examples_per_user]` mask, every
+  slot real): each user's mean gradient clipped as one unit (fast clipping regroups
+  the rows by user), `expected_batch_size` = users; the non-private side trains on the
+  same rows as examples. No target is set for these rows.
+
+| model | rows | examples per user | users | non-private CPU s/step | DP CPU s/step | DP / non-private CPU |
+|---|---:|---:|---:|---:|---:|---:|
+{chr(10).join(rows)}
+"""
+    write_section("dp_step_users", md)
+    print(md)
 
 
 def _verdict(ratio, target):
@@ -201,12 +244,19 @@ def main():
     parser.add_argument("--only", choices=["nonprivate", "dp"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--examples-per-user", type=int, default=0,
+                        help="worker: the DP side trains at the user level")
+    parser.add_argument("--users", action="store_true",
+                        help="the user-level rows only (their own RESULTS.md section)")
     parser.add_argument("--quick", action="store_true",
                         help="two rows, two rounds, do not write RESULTS.md")
     args = parser.parse_args()
     if args.worker:
         _worker(args.worker, args.batch, args.jit, args.rounds, args.warmup, args.lora,
-                args.only, args.policy)
+                args.only, args.policy, args.examples_per_user)
+        return
+    if args.users:
+        _user_level(args.rounds, args.warmup)
         return
 
     configs = CONFIGS[:1] + CONFIGS[4:5] if args.quick else CONFIGS
