@@ -108,9 +108,9 @@ def _model_and_batch(model, batch, lora=0):
     return lm, (x, ids[:, 1:], mask[:, 1:].astype("float32"))
 
 
-def _train_step(model, batch, jit, private, lora=0, policy="float32", users=0):
-    """A zero-argument callable running one compiled train step. ``users``: the
-    DP side trains at the user level, ``users`` examples per user (every slot real)."""
+def _train_step(model, batch, jit, private, lora=0, policy="float32", examples_per_user=0):
+    """A zero-argument callable running one compiled train step. With
+    ``examples_per_user`` the DP side trains at the user level (every slot real)."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -120,13 +120,13 @@ def _train_step(model, batch, jit, private, lora=0, policy="float32", users=0):
     keras.mixed_precision.set_global_policy(policy)
     lm, data = _model_and_batch(model, batch, lora)
     if private:
-        units = batch // users if users else batch
+        units = batch // examples_per_user if examples_per_user else batch
         optimizer = kdp.DPAdam(1e-4, l2_norm_clip=0.1, noise_multiplier=1.0,
                                clipping="fast", expected_batch_size=float(units), seed=0)
-        if users:
+        if examples_per_user:
             x, y, sample_weight = data
             data = (x, y, kdp.data.attach_real_slots(
-                sample_weight, np.ones((units, users), "float32"), 0.01))
+                sample_weight, np.ones((units, examples_per_user), "float32"), 0.01))
     else:
         optimizer = keras.optimizers.Adam(1e-4)
     lm.compile(optimizer=optimizer, weighted_metrics=[], jit_compile=jit,
@@ -137,13 +137,15 @@ def _train_step(model, batch, jit, private, lora=0, policy="float32", users=0):
     return lambda: lm.train_function(iter([tensors]))
 
 
-def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32", users=0):
+def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32",
+            examples_per_user=0):
     """Alternate the two steps (or run ``only`` one, for its peak RSS)."""
     import resource
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sides = [only] if only else ["nonprivate", "dp"]
-    steps = {name: _train_step(model, batch, jit, name == "dp", lora, policy, users)
+    steps = {name: _train_step(model, batch, jit, name == "dp", lora, policy,
+                               examples_per_user)
              for name in sides}
     built_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     first = {}
@@ -162,7 +164,7 @@ def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32"
             wall[name].append(time.perf_counter() - w0)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     out = dict(model=model, batch=batch, jit=jit, lora=lora, policy=policy, rounds=rounds,
-               users=users,
+               examples_per_user=examples_per_user,
                warmup_s=first,
                cpu_s={k: statistics.median(v) for k, v in cpu.items()},
                wall_s={k: statistics.median(v) for k, v in wall.items()},
@@ -174,12 +176,13 @@ def _worker(model, batch, jit, rounds, warmup, lora, only=None, policy="float32"
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _run(model, batch, jit, lora, policy, rounds, warmup, users=0):
+def _run(model, batch, jit, lora, policy, rounds, warmup, examples_per_user=0):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model, "--batch",
            str(batch), "--rounds", str(rounds), "--warmup", str(warmup),
            "--lora", str(lora), "--policy", policy,
-           "--examples-per-user", str(users)] + (["--jit"] if jit else [])
-    what = f"worker {model} B={batch} jit={jit} lora={lora} {policy} users={users}"
+           "--examples-per-user", str(examples_per_user)] + (["--jit"] if jit else [])
+    what = (f"worker {model} B={batch} jit={jit} lora={lora} {policy} "
+            f"examples_per_user={examples_per_user}")
     result = run_worker(cmd, what)
     line = (f"  {model} B={batch} jit={jit} lora={lora} {policy}: DP / non-private CPU "
             f"{result['ratio']:.2f}x")
@@ -196,9 +199,10 @@ USER_CONFIGS = [("demo", 512, 4), ("gpt2", 32, 4)]  # (model, rows, examples per
 
 def _user_level(rounds, warmup):
     """User-level DP step vs the non-private step on the same rows."""
-    results = [_run(m, b, False, 0, "float32", rounds, warmup, users=k)
+    results = [_run(m, b, False, 0, "float32", rounds, warmup, examples_per_user=k)
                for m, b, k in USER_CONFIGS]
-    rows = [f"| {r['model']} | {r['batch']} | {r['users']} | {r['batch'] // r['users']} | "
+    rows = [f"| {r['model']} | {r['batch']} | {r['examples_per_user']} | "
+            f"{r['batch'] // r['examples_per_user']} | "
             f"{r['cpu_s']['nonprivate']:.3f} | {r['cpu_s']['dp']:.3f} | "
             f"**{r['ratio']:.2f}x** ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |"
             for r in results]

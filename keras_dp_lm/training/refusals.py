@@ -144,10 +144,10 @@ def without_state_updates(model, forward):
     if tf.executing_eagerly():
         before = [tf.identity(v.value) for v in watched]
         result = forward()
-        written = [v for v, b in zip(watched, before)
-                   if not bool(tf.reduce_all(tf.equal(v.value, b)))]
+        written = []
         for v, b in zip(watched, before):
-            if any(v is w for w in written):
+            if not bool(tf.reduce_all(tf.equal(v.value, b))):
+                written.append(v)
                 v.assign(b)  # undone: the batch's data must not stay in the model
     else:
         start = len(graph.get_operations())
@@ -202,7 +202,7 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4):
         lambda t: t if t is None or t.shape.rank == 0 else t[:_PROBE_ROWS], batch)
     mask = mask[:_PROBE_ROWS]
     if mask.shape[0] is not None and mask.shape[0] < 2:
-        return tf.constant(True), tf.constant(False)  # one example: nothing to mix with
+        return _passed_untold()  # one example: nothing to mix with
 
     def compare():
         losses = tf.cast(losses_fn(batch), tf.float32)
@@ -220,10 +220,12 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4):
         distinct = both_real & (tf.abs(losses[0] - losses[1]) > tolerance[0])
         return tf.logical_or(same, tf.logical_not(both_real)), distinct
 
-    def one_example():
-        return tf.constant(True), tf.constant(False)
+    return tf.cond(tf.shape(mask)[0] >= 2, compare, _passed_untold)
 
-    return tf.cond(tf.shape(mask)[0] >= 2, compare, one_example)
+
+def _passed_untold():
+    """The probe's ``(ok, meaningful)`` when it has nothing to compare."""
+    return tf.constant(True), tf.constant(False)
 
 
 def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
@@ -234,19 +236,14 @@ def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
     a failing probe makes the DP step refuse the batch.
     """
     ledger = _ledger(model)
-    if mask.shape[0] is not None and mask.shape[0] < 2:
-        return tf.constant(True)  # one example: nothing to mix with
 
     def probe():
         return independence_probe(losses_fn, batch, mask, rtol)
 
-    def skip():
-        return tf.constant(True), tf.constant(False)
-
     # Its passes must not write model variables either (fit's probe before the
     # step is checked the same way).
     ok, done = without_state_updates(
-        model, lambda: tf.cond(ledger.independence_checked < 1, probe, skip))
+        model, lambda: tf.cond(ledger.independence_checked < 1, probe, _passed_untold))
     ledger.independence_checked.assign(
         tf.maximum(ledger.independence_checked, tf.cast(done & ok, tf.int64)))
     return ok
