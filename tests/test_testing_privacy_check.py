@@ -7,6 +7,7 @@ any of them fails here through the same public checker users run.
 """
 
 import keras
+import tensorflow as tf
 import numpy as np
 import pytest
 
@@ -225,3 +226,75 @@ def test_accumulation_with_an_uneven_batch_is_checked_not_passed_as_refused(monk
         grads=[3.0 * g for g in real(m, b).grads]))
     leaky = testing.check_privacy(model, batch, num_examples=2)
     assert leaky.refused is None and not leaky.passed
+
+
+# ---------------------------------------------------------------------------
+# User level: examples_per_user=k checks the step as it trains on user batches
+
+
+USER_ZOO = [(lora_dense, 3), (conv1d_token_model, 2), (tiny_gpt2, 2)]
+
+
+@pytest.mark.parametrize("build,k", USER_ZOO, ids=[f.__name__ for f, _ in USER_ZOO])
+def test_zoo_model_passes_the_user_level_privacy_check(build, k):
+    keras.utils.set_random_seed(0)
+    model, batch = build()
+    report = testing.check_privacy(model, batch, num_examples=2, examples_per_user=k)
+    assert report.refused is None, report.refused
+    assert report.passed, str(report)
+    assert report.privacy_unit == "user" and report.num_users * k == report.num_examples
+    assert 0.3 < report.remove_one_ratio <= 1.0 + 1e-4, str(report)
+    assert report.replace_one_ratio <= 2.0 + 2e-4 and report.padding_inert
+    assert "remove one user" in str(report) and "PASSED" in str(report)
+
+
+def _without_user_marks(real):
+    """A step that forgets the batch is a user batch: it clips each example."""
+    from keras_dp_lm.data import attach_real_slots
+    from keras_dp_lm.data import split_real_slots
+
+    def step(model, batch):
+        x, y, marked = batch
+        mask, rate, weight = split_real_slots(marked)
+        return real(model, (x, y, attach_real_slots(weight, tf.reshape(mask, [-1]))))
+    return step
+
+
+def test_a_step_that_clips_examples_fails_the_user_level_check(monkeypatch):
+    """Not vacuous: per-example clipping of a user's rows lets one user move the
+    sum by up to k C, and its norms are not the per-user norms."""
+    from keras_dp_lm.testing import privacy_check
+    model, batch = lora_dense()
+    assert testing.check_privacy(model, batch, examples_per_user=3).passed
+    monkeypatch.setattr(privacy_check, "dp_clipped_gradient",
+                        _without_user_marks(privacy_check.dp_clipped_gradient))
+    report = testing.check_privacy(model, batch, examples_per_user=3)
+    assert not report.passed, str(report)
+    assert report.remove_one_ratio > 1.5, str(report)
+    assert any("removing one user moved the sum" in f for f in report.failures)
+    assert any("per-user norms differ" in f for f in report.failures)
+
+
+def test_a_step_that_trains_on_padding_inside_a_user_fails(monkeypatch):
+    from keras_dp_lm.data import attach_real_slots
+    from keras_dp_lm.data import split_real_slots
+    from keras_dp_lm.testing import privacy_check
+    real = privacy_check.dp_clipped_gradient
+
+    def all_real(model, batch):
+        x, y, marked = batch
+        mask, _, weight = split_real_slots(marked)
+        return real(model, (x, y, attach_real_slots(weight, tf.ones_like(mask))))
+
+    monkeypatch.setattr(privacy_check, "dp_clipped_gradient", all_real)
+    model, batch = lora_dense()
+    report = testing.check_privacy(model, batch, examples_per_user=3)
+    assert not report.padding_inert and not report.passed
+
+
+@pytest.mark.parametrize("k,match", [(4, "does not split"), (0, "positive int"),
+                                     (1.5, "positive int")])
+def test_user_level_check_refuses_bad_examples_per_user(k, match):
+    model, batch = lora_dense()
+    with pytest.raises(ValueError, match=match):
+        testing.check_privacy(model, batch, examples_per_user=k)

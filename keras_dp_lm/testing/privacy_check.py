@@ -18,6 +18,14 @@ For a model compiled with a keras_dp_lm DP optimizer and a few batches of its
     exact per-example gradients (and why), and, for a model the DP step
     refuses, the refusal (a pass: it happens before any update).
 
+With ``examples_per_user=k`` the same checks run at the user level, as the
+step trains on :func:`keras_dp_lm.data.poisson_user_batches`: rows
+``u*k .. u*k+k-1`` of a batch are user ``u``'s records; the naive loop
+differentiates each user's mean loss over its rows together; removing one
+user (all its rows) must move the clipped sum by at most ``C`` and
+replacing all its rows by at most ``2 C``; and a padding slot inside a real
+user, as well as whole padding users, must be inert.
+
 Nothing is trained: the weights are never updated. The forward pass in
 training mode must be deterministic for (a) and (b) to be meaningful (set
 dropout to 0 for the check). Opacus's grad-sample tests and jax-privacy's
@@ -50,9 +58,11 @@ class PrivacyCheckReport:
     model_name: str
     l2_norm_clip: float
     tolerance: float
+    examples_per_user: int = None
     refused: str = None
     weights_unchanged: bool = True
     num_examples: int = 0
+    num_users: int = 0
     max_norm_error: float = 0.0
     max_sum_error: float = 0.0
     remove_one_ratio: float = 0.0
@@ -66,21 +76,29 @@ class PrivacyCheckReport:
     def passed(self):
         return not self.failures
 
+    @property
+    def privacy_unit(self):
+        """``"user"`` when checked with ``examples_per_user``, else ``"example"``."""
+        return "example" if self.examples_per_user is None else "user"
+
     def __str__(self):
         rows = [("model", self.model_name), ("l2_norm_clip C", f"{self.l2_norm_clip:g}")]
         if self.refused:
             rows += [("refused before any update", self.refused.splitlines()[0][:100]),
                      ("weights unchanged", str(self.weights_unchanged))]
         else:
-            tol = self.tolerance
+            tol, unit = self.tolerance, self.privacy_unit
+            rows += [("examples checked", str(self.num_examples))]
+            if self.examples_per_user is not None:
+                rows += [("users checked", f"{self.num_users} ({self.examples_per_user} "
+                                           "rows each)")]
             rows += [
-                ("examples checked", str(self.num_examples)),
-                ("per-example norms vs naive loop", f"max rel. error {self.max_norm_error:.2e}"
+                (f"per-{unit} norms vs naive loop", f"max rel. error {self.max_norm_error:.2e}"
                  f" (<= {tol:g})"),
                 ("clipped sum vs naive loop", f"rel. error {self.max_sum_error:.2e} (<= {tol:g})"),
-                ("remove one example", f"moves the sum by {self.remove_one_ratio:.4f} C (<= 1)"),
-                ("replace one (adversarial)", f"moves the sum by {self.replace_one_ratio:.4f} C"
-                 " (<= 2)"),
+                (f"remove one {unit}", f"moves the sum by {self.remove_one_ratio:.4f} C (<= 1)"),
+                (f"replace one {unit} (adversarial)",
+                 f"moves the sum by {self.replace_one_ratio:.4f} C (<= 2)"),
                 ("padding slots inert", str(self.padding_inert)),
                 ("coverage", ", ".join(f"{k} {v}" for k, v in sorted(self.coverage.items()))),
             ]
@@ -104,17 +122,22 @@ def _flat(grads):
     return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in grads])
 
 
-def _naive(model, x, y, sample_weight, clip):
-    """Each example alone: its loss (a batch of one), gradient, norm, clip, sum."""
+def _naive(model, x, y, sample_weight, clip, k=1, real=None):
+    """Each unit alone (an example, or a user's ``k`` rows): its loss (the
+    mean over the unit's real rows), gradient, norm, clip; the sum."""
     variables = model.trainable_variables
     size = len(tf.nest.flatten(x)[0])
+    real = np.ones(size, bool) if real is None else np.asarray(real, bool)
     total, norms = 0.0, []
-    for i in range(size):
-        xi, yi = _take(x, slice(i, i + 1)), _take(y, slice(i, i + 1))
-        swi = None if sample_weight is None else _take(sample_weight, slice(i, i + 1))
+    for u in range(size // k):
+        rows = np.arange(u * k, (u + 1) * k)[real[u * k:(u + 1) * k]]
+        if not len(rows):
+            continue
+        xu, yu = _take(x, rows), _take(y, rows)
+        swu = None if sample_weight is None else _take(sample_weight, rows)
         with tf.GradientTape() as tape:
-            outputs = model(xi, training=True)
-            loss = tf.reduce_sum(per_example_losses(model, xi, yi, outputs, swi))
+            outputs = model(xu, training=True)
+            loss = tf.reduce_mean(per_example_losses(model, xu, yu, outputs, swu))
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(tape.gradient(loss, variables), variables)]
         flat = _flat(grads)
@@ -134,18 +157,28 @@ def _adversarial(rng, leaf, scale):
     return leaf[::-1].copy()
 
 
-def _replace(structure, index, rng, scale):
+def _replace(structure, rows, rng, scale):
+    """``structure`` with ``rows`` (an int or a slice) replaced by adversarial values."""
+    rows = slice(rows, rows + 1) if isinstance(rows, (int, np.integer)) else rows
+
     def one(t):
         if t is None:
             return None
         t = np.array(t, copy=True)
-        t[index] = _adversarial(rng, t[index:index + 1], scale)[0]
+        t[rows] = _adversarial(rng, t[rows], scale)
         return t
     return tf.nest.map_structure(one, structure)
 
 
+def _slots(real, k):
+    """The real-slot mask the step reads: ``[B]`` for examples, ``[B / k, k]``
+    (a user batch, as :func:`keras_dp_lm.data.poisson_user_batches` makes)."""
+    real = np.asarray(real, "float32")
+    return real if k is None else real.reshape(-1, k)
+
+
 def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, tolerance=None,
-                  seed=0, raise_on_failure=False):
+                  seed=0, raise_on_failure=False, examples_per_user=None):
     """Check the DP step of ``model`` on a few batches; returns a :class:`PrivacyCheckReport`.
 
     Args:
@@ -154,8 +187,8 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
         batches: one batch ``(x, y)`` / ``(x, y, sample_weight)`` of arrays, or
             a list of them, as the model's ``train_step`` receives them (for
             KerasHub tasks: the preprocessor's output).
-        num_examples: how many examples of each batch to remove / replace for
-            the sensitivity checks.
+        num_examples: how many units (examples, or users) of each batch to
+            remove / replace for the sensitivity checks.
         adversarial_scale: scale of the adversarial float inputs.
         tolerance: relative tolerance of (a) and of the bounds in (b);
             default 1e-4, 2e-2 when the compute dtype is bfloat16 (the naive
@@ -163,6 +196,9 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
             float32 rounding, checked at 1e-5).
         seed: seed of the adversarial examples.
         raise_on_failure: raise ``AssertionError`` with the report if a check fails.
+        examples_per_user: check user-level DP instead: every ``k`` consecutive
+            rows of a batch are one user's records (the batch size must be a
+            multiple of ``k``), clipped and removed / replaced together.
 
     Example:
         >>> import keras, numpy as np, keras_dp_lm as kdp
@@ -177,11 +213,20 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
         >>> print(report)  # doctest: +ELLIPSIS
         model ...
         result ... PASSED
+        >>> users = kdp.testing.check_privacy(model, (x, y), examples_per_user=3)
+        >>> users.passed, users.privacy_unit, users.num_users
+        (True, 'user', 2)
     """
     optimizer = getattr(model, "optimizer", None)
     if not is_dp_optimizer(optimizer):
         raise ValueError("check_privacy needs a model compiled with a keras_dp_lm DP "
                          "optimizer, e.g. model.compile(optimizer=kdp.DPSGD(...), loss=...).")
+    if examples_per_user is not None and (
+            not isinstance(examples_per_user, (int, np.integer)) or examples_per_user < 1):
+        raise ValueError(f"`examples_per_user` must be a positive int or None, got "
+                         f"{examples_per_user!r}.")
+    user_k = None if examples_per_user is None else int(examples_per_user)
+    k = user_k or 1
     batches = [batches] if isinstance(batches, tuple) else list(batches)
     clip = float(optimizer.l2_norm_clip)
     compute = getattr(getattr(model, "dtype_policy", None), "compute_dtype", "float32")
@@ -189,7 +234,8 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
         tolerance = 2e-2 if compute == "bfloat16" else 1e-4
     bound_tol = 1e-5 if compute == "bfloat16" else tolerance
     report = PrivacyCheckReport(model_name=getattr(model, "name", type(model).__name__),
-                                l2_norm_clip=clip, tolerance=tolerance)
+                                l2_norm_clip=clip, tolerance=tolerance,
+                                examples_per_user=user_k)
     before = [np.array(v.numpy()) for v in model.trainable_variables]
 
     @tf.function(reduce_retracing=True)
@@ -198,13 +244,24 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
         mask = result.mask if result.mask is not None else tf.ones_like(result.norms)
         return result.grads, result.norms, mask
 
-    def step(x, y, sample_weight):
+    def step(x, y, sample_weight, real=None):
+        """The step's clipped sum and the norms of its real units; ``real`` marks
+        the real rows (all of them by default; a user batch is always marked)."""
+        if real is not None or user_k is not None:
+            size = len(tf.nest.flatten(x)[0])
+            real = np.ones(size, bool) if real is None else real
+            sample_weight = attach_real_slots(sample_weight, _slots(real, user_k))
         try:
             grads, norms, mask = clipped(x, y, sample_weight)
         except _REFUSALS as error:  # only the DP step's own refusals count as refusals
             raise _Refused(f"{type(error).__name__}: {error}") from error
-        # accumulation pads the batch to a multiple of its steps: keep real slots
-        return _flat([g.numpy() for g in grads]), norms.numpy()[mask.numpy() > 0]
+        # accumulation pads the batch to a multiple of its steps: keep real units
+        norms, mask = norms.numpy(), mask.numpy()
+        if user_k is not None and len(norms) != len(mask):
+            mask = mask.reshape(-1, user_k).max(axis=1)
+        if len(norms) != len(mask):  # not one norm per unit: no unit-wise comparison
+            return _flat([g.numpy() for g in grads]), np.full(len(mask), np.inf)
+        return _flat([g.numpy() for g in grads]), norms[mask > 0]
 
     rng = np.random.default_rng(seed)
     try:
@@ -214,6 +271,10 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
             if mask is not None:
                 raise ValueError("Pass unpadded batches; check_privacy adds its own padding.")
             size = len(tf.nest.flatten(x)[0])
+            if size % k:
+                raise ValueError(f"A batch of {size} rows does not split into users of "
+                                 f"examples_per_user={k} rows each.")
+            units = size // k
             full, norms = step(x, y, sample_weight)
             again, _ = step(x, y, sample_weight)
             if not np.allclose(full, again, rtol=1e-6, atol=0.0):
@@ -222,38 +283,44 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
                     "batch differ), so nothing can be compared: set dropout (and other "
                     "training-time randomness) to 0 for the check")
                 break
-            ref_norms, ref_sum = _naive(model, x, y, weight, clip)
+            ref_norms, ref_sum = _naive(model, x, y, weight, clip, k)
             report.num_examples += size
+            report.num_users += units if user_k else 0
             report.max_norm_error = max(report.max_norm_error, float(np.max(
-                np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-12))))
+                np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-12)))
+                if norms.shape == ref_norms.shape else np.inf)
             report.max_sum_error = max(report.max_sum_error, float(
                 np.linalg.norm(full - ref_sum) / max(np.linalg.norm(ref_sum), 1e-12)))
-            for i in range(min(num_examples, size)):
-                keep = np.ones(size, "float32")
-                keep[i] = 0.0
-                removed, _ = step(x, y, attach_real_slots(sample_weight, keep))
+            for u in range(min(num_examples, units)):
+                rows = slice(u * k, (u + 1) * k)
+                keep = np.ones(size, bool)
+                keep[rows] = False
+                removed, _ = step(x, y, sample_weight, keep)
                 report.remove_one_ratio = max(report.remove_one_ratio,
                                               float(np.linalg.norm(full - removed)) / clip)
-                adv_x = _replace(x, i, rng, adversarial_scale)
-                adv_y = _replace(y, i, rng, adversarial_scale)
+                adv_x = _replace(x, rows, rng, adversarial_scale)
+                adv_y = _replace(y, rows, rng, adversarial_scale)
                 adv_w = sample_weight
                 if sample_weight is not None:
                     adv_w = np.array(sample_weight, dtype="float32", copy=True)
-                    adv_w[i] = 1e9
+                    adv_w[rows] = 1e9
                 replaced, _ = step(adv_x, adv_y, adv_w)
                 report.replace_one_ratio = max(report.replace_one_ratio,
                                                float(np.linalg.norm(full - replaced)) / clip)
-            # padding: two extra slots with arbitrary contents change nothing
-            pad = np.concatenate([np.ones(size, "float32"), np.zeros(2, "float32")])
-            index = np.concatenate([np.arange(size), rng.integers(0, size, 2)])
+            # padding: two extra units with arbitrary contents change nothing, nor
+            # (user level) a padding slot inside the first, real user
+            pad = np.concatenate([np.ones(size, bool), np.zeros(2 * k, bool)])
+            if user_k is not None and k > 1:
+                pad[k - 1] = False
+            index = np.concatenate([np.arange(size), rng.integers(0, size, 2 * k)])
             px, py = _take(x, index), _take(y, index)
             pw = None if sample_weight is None else _take(sample_weight, index)
-            first, _ = step(px, py, attach_real_slots(pw, pad))
-            qx = _replace(_replace(px, size, rng, adversarial_scale), size + 1, rng,
-                          adversarial_scale)
-            qy = _replace(_replace(py, size, rng, adversarial_scale), size + 1, rng,
-                          adversarial_scale)
-            second, _ = step(qx, qy, attach_real_slots(pw, pad))
+            first, _ = step(px, py, pw, pad)
+            qx, qy = px, py
+            for row in np.flatnonzero(~pad):
+                qx = _replace(qx, row, rng, adversarial_scale)
+                qy = _replace(qy, row, rng, adversarial_scale)
+            second, _ = step(qx, qy, pw, pad)
             report.padding_inert = report.padding_inert and bool(np.array_equal(first, second))
     except _Refused as refusal:
         report.refused = str(refusal)
@@ -267,14 +334,15 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
             v.path: clipping.exact_reason(model, v) for v in model.trainable_variables
             if coverage.get(v.path) == "exact"}
         if report.max_norm_error > tolerance:
-            report.failures.append(f"per-example norms differ by {report.max_norm_error:.2e}")
+            report.failures.append(f"per-{report.privacy_unit} norms differ by "
+                                   f"{report.max_norm_error:.2e}")
         if report.max_sum_error > tolerance:
             report.failures.append(f"clipped sum differs by {report.max_sum_error:.2e}")
         if report.remove_one_ratio > 1 + bound_tol:
-            report.failures.append(f"removing one example moved the sum by "
+            report.failures.append(f"removing one {report.privacy_unit} moved the sum by "
                                    f"{report.remove_one_ratio:.4f} C")
         if report.replace_one_ratio > 2 * (1 + bound_tol):
-            report.failures.append(f"replacing one example moved the sum by "
+            report.failures.append(f"replacing one {report.privacy_unit} moved the sum by "
                                    f"{report.replace_one_ratio:.4f} C")
         if not report.padding_inert:
             report.failures.append("padding slots changed the clipped sum")
