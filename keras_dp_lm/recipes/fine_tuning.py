@@ -318,8 +318,8 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
     else:
         reasons.append(f"batch {batch} and {steps} updates: the budget of {epochs:g} epochs "
                        f"({examples:.0f} example gradients) spent on at least {min_steps} "
-                       "updates with the largest batch (Li et al. 2022: large batches, few "
-                       "hundred steps)")
+                       "updates with the largest batch (Li et al. 2022: large batches; more "
+                       "updates of smaller batches add noise faster than signal)")
     q = batch / n
 
     def total_epsilon(sigma):
