@@ -191,6 +191,8 @@ def parse_args(argv=None):
         parser.error("--vocab-epsilon must be below --target-epsilon")
     if not 0 < args.delta < 1:
         parser.error("--delta must be in (0, 1)")
+    if args.min_steps < 1:
+        parser.error("--min-steps must be at least 1")
     return args
 
 
