@@ -17,6 +17,7 @@ import pytest
 
 import keras_dp_lm as kdp
 from keras_dp_lm import accounting
+from keras_dp_lm.accounting.epsilon import EXACT_CURVE_BELOW_DELTA
 from keras_dp_lm.callbacks import PrivacyAccountant
 from keras_dp_lm.accounting import PrivacyBudgetExhaustedError
 
@@ -164,7 +165,9 @@ def test_epsilon_curve_equals_dp_accounting(extra):
         elif extra == "pair":
             acc._pld = acc._pld.compose(pld_lib.from_privacy_parameters(
                 pld_common.DifferentialPrivacyParameters(*extras[0])))
-        assert value == pytest.approx(acc.get_epsilon(delta), rel=1e-6, abs=1e-12), k
+        # An upper bound on the accountant's value, read at a delta 1e-11 lower.
+        reference = acc.get_epsilon(delta)
+        assert reference <= value <= reference * (1 + 3e-6) + 1e-12, k
     assert curve == sorted(curve) and curve[-1] > curve[0]
     if extra is None:
         assert curve[0] == 0.0
@@ -174,6 +177,24 @@ def test_epsilon_curve_equals_dp_accounting(extra):
                                        accountant="rdp")
         assert rdp == [accounting.compose_epsilon(
             [accounting.dp_sgd_event(sigma, q, k)] + extras, delta, "rdp") for k in steps]
+
+
+@pytest.mark.parametrize("sigma, q, steps, delta", [
+    (0.8, 0.02, 3000, 1e-10),   # the fast curve at delta itself is 8.9e-5 relative low
+    (0.55, 0.012, 1000, 1e-10),  # ... 2.7e-5 low
+    (0.5, 0.005, 1000, 1e-10),  # ... 2.2e-5 low
+    (2.0, 0.1, 300, 1e-12),     # below 1e-10: the accountant's own value
+])
+def test_epsilon_curve_bounds_dp_accounting_at_small_delta(sigma, q, steps, delta):
+    # FFT round-off (ours and dp_accounting's) is ~1e-12 in delta: a curve read
+    # at delta itself can fall below what the accountant reports.
+    [value] = accounting.epsilon_curve(sigma, q, [steps], delta)
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(accounting.dp_sgd_event(sigma, q, steps))
+    reference = acc.get_epsilon(delta)
+    assert reference <= value <= reference * 1.005
+    if delta < EXACT_CURVE_BELOW_DELTA:
+        assert value == pytest.approx(reference, rel=1e-12)
 
 
 def test_epsilon_curve_arguments():

@@ -37,8 +37,9 @@ def test_tiny_demo_end_to_end(tmp_path):
     # ... at 1e-6 minus the recipe's reserve for a Poisson draw above the padded cap.
     assert privacy["total_delta"] + privacy["overflow_delta_reserved"] == pytest.approx(1e-6)
     assert privacy["dp_updates"] == demo.TINY_OVERRIDES["steps"]
-    assert privacy["epsilon_curve_pld"]["total"][-1] == pytest.approx(
-        privacy["total_epsilon"], rel=1e-6)
+    # The curve bounds the accountant's value from above (read 1e-11 lower in delta).
+    assert (privacy["total_epsilon"] <= privacy["epsilon_curve_pld"]["total"][-1]
+            <= privacy["total_epsilon"] * (1 + 3e-6))
     for name in ("public_only", "dp", "non_private"):
         assert math.isfinite(on_disk["perplexity"][name]) and on_disk["perplexity"][name] > 1
     assert len(on_disk["exposure"]["canaries"]) == len(demo.TINY_OVERRIDES["canary_repetitions"])

@@ -30,14 +30,9 @@ from keras_dp_lm.accounting.report import privacy_statement
 from keras_dp_lm.training.ledger import ledger_of
 
 
-# Per-batch upper bounds: grid points per fit, and the delta at which the fast
-# PLD curve is evaluated (a little below `delta`, a margin far above its FFT
-# round-off against the accountant, ~1e-12 in delta).
+# Per-batch upper bounds: grid points per fit (on a PLD curve that bounds the
+# accountant's epsilon from above, `composed_curve(..., upper_bound=True)`).
 _GRID_POINTS = 16
-
-
-def _bound_delta(delta):
-    return max(delta / 2, delta * (1 - 1e-4) - 1e-11)
 
 
 def _dp_optimizer_of(model):
@@ -472,8 +467,8 @@ class PrivacyAccountant(keras.callbacks.Callback):
         span = last - n  # evenly spaced counts, and doublings before the first one
         points = sorted({n + math.ceil(span * i / _GRID_POINTS) for i in range(_GRID_POINTS + 1)}
                         | {n + 2 ** j for j in range(64) if 2 ** j < span / _GRID_POINTS})
-        curve = composed_curve(sigma, rate, _bound_delta(self.delta), "pld",
-                               ledger_events(list(others), self.dataset_size))
+        curve = composed_curve(sigma, rate, self.delta, "pld",
+                               ledger_events(list(others), self.dataset_size), upper_bound=True)
         new = curve.values(points)
         floor = values[-1] if values else 0.0
         for count, value in zip(points, new):
