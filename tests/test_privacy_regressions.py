@@ -375,6 +375,21 @@ def _batch_mean_model():
     return keras.Model(inputs, keras.layers.Dense(3)(centred))
 
 
+class _TrainingBatchCentre(keras.layers.Layer):
+    """Subtracts the batch mean in training only (batch norm without its state)."""
+
+    def call(self, x, training=False):
+        if training:
+            return x - keras.ops.mean(x, axis=0, keepdims=True)
+        return x
+
+
+def _training_mixing_model(dropout=0.0):
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                             keras.layers.Dropout(dropout), _TrainingBatchCentre(),
+                             keras.layers.Dense(3)])
+
+
 def _assert_mixing_refused_before_any_update(model, x, y):
     """``fit`` (probe before the step) and a custom-loop step (probe inside it)."""
     before = _weights(model)
@@ -387,7 +402,8 @@ def _assert_mixing_refused_before_any_update(model, x, y):
 
 @pytest.mark.parametrize("case,jit", [("batch_mean_layer", False),
                                       ("in_batch_contrastive_loss", False),
-                                      ("batch_mean_layer", True)])
+                                      ("batch_mean_layer", True),
+                                      ("training_only_mixing_with_dropout", False)])
 def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, jit):
     """Before: trained silently; one example moved the clipped sum by up to 5.3 C.
 
@@ -400,6 +416,11 @@ def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, j
     keras.utils.set_random_seed(0)
     if case == "batch_mean_layer":
         model, loss = _batch_mean_model(), "mse"
+    elif case == "training_only_mixing_with_dropout":
+        # Review finding: the probe ran in inference mode only, so a layer that
+        # mixes examples only when training trained (one user moved the sum by
+        # 5.86 C). Its training passes replay dropout's masks.
+        model, loss = _training_mixing_model(dropout=0.3), "mse"
     else:
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         loss = _InBatchContrastive()
@@ -424,6 +445,23 @@ def test_the_independence_probe_runs_once_and_passes_ordinary_models():
     ledger = kdp.ledger_of(model)
     assert int(ledger.independence_checked.numpy()) == 1 and ledger.updates == 3
     assert ledger.probed_before_step  # the step was traced without the probe
+
+
+def test_the_training_probe_passes_dropout_and_leaves_its_seed_state_alone():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                              keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
+    y = np.zeros((6, 3), "float32")
+    state = model.layers[1].seed_generator.state
+    before = state.numpy().copy()
+    from keras_dp_lm.training import step
+    step._probe_batch(model, (x, y))
+    assert np.array_equal(state.numpy(), before)  # the probe draws no randomness
+    model.fit(x, y, batch_size=6, verbose=0)
+    assert kdp.ledger_of(model).updates == 1
 
 
 def test_a_first_batch_of_one_example_leaves_the_probe_to_the_next_batch():

@@ -117,11 +117,7 @@ def _written_variables(graph, ops, variable_of):
 
 
 def _seed_state_ids(model):
-    ids = set()
-    for layer in internals.flatten_layers(model, include_self=True):
-        for generator in getattr(layer, "_seed_generators", ()):
-            ids.add(id(generator.state))
-    return ids
+    return {id(state) for state in seed_states(model)}
 
 
 def without_state_updates(model, forward):
@@ -186,15 +182,23 @@ def _replace_first(structure, donor):
     return tf.nest.map_structure(one, structure)
 
 
-def independence_probe(losses_fn, batch, mask, rtol=1e-4):
+def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=()):
     """``(ok, meaningful)``: whether each example's loss depends on that example
     alone, and whether the probe could tell (two distinct real examples).
 
-    Runs ``losses_fn(batch) -> [B]`` (inference mode, so dropout draws nothing)
-    on the first few rows of the batch and on them with example 0 replaced by
-    example 1: every other example's loss must stay the same and example 0's
-    must become example 1's. A layer or loss that mixes examples (batch
-    statistics, attention or similarity across the batch) changes them.
+    ``losses_fn(batch, training) -> [B]``. On the first few rows of the batch:
+
+    * inference mode (dropout draws nothing): with example 0 replaced by
+      example 1, every other example's loss must stay the same and example
+      0's must become example 1's. A layer or loss that mixes examples (batch
+      statistics, attention or similarity across the batch) changes them.
+    * training mode, with the random ``seed_states`` (dropout's) restored
+      before every pass so that each pass draws the same masks: the losses of
+      examples 1.. must not change when example 0 is replaced. This sees
+      mixing that happens only in training (a layer subtracting the batch
+      mean when ``training=True``). If two passes on the same rows differ
+      (randomness outside Keras's seed generators), it cannot tell and
+      does not refuse.
     """
     # A few rows suffice to see mixing, and keep the probe cheap for huge
     # (accumulated) logical batches.
@@ -204,9 +208,14 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4):
     if mask.shape[0] is not None and mask.shape[0] < 2:
         return _passed_untold()  # one example: nothing to mix with
 
+    def close(a, b, real):
+        tolerance = rtol * (tf.abs(a) + 1e-6)
+        return tf.reduce_all(tf.where(real, tf.abs(b - a) <= tolerance, True))
+
     def compare():
-        losses = tf.cast(losses_fn(batch), tf.float32)
-        swapped = tf.cast(losses_fn(_replace_first(batch, 1)), tf.float32)
+        swapped_batch = _replace_first(batch, 1)
+        losses = tf.cast(losses_fn(batch, False), tf.float32)
+        swapped = tf.cast(losses_fn(swapped_batch, False), tf.float32)
         expected = tf.concat([losses[1:2], losses[1:]], axis=0)
         tolerance = rtol * (tf.abs(expected) + 1e-6)
         # Only real slots with finite losses are compared: a NaN / inf example
@@ -215,17 +224,49 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4):
         finite = tf.math.is_finite(expected) & tf.math.is_finite(swapped)
         real = (tf.cast(mask, tf.float32) > 0) & finite
         both_real = real[0] & real[1]
-        same = tf.reduce_all(tf.where(real, tf.abs(swapped - expected) <= tolerance, True))
+        same = close(expected, swapped, real)
         # a meaningful probe: slot 0 and slot 1 differ in loss
         distinct = both_real & (tf.abs(losses[0] - losses[1]) > tolerance[0])
-        return tf.logical_or(same, tf.logical_not(both_real)), distinct
+        ok = tf.logical_or(same, tf.logical_not(both_real))
+        return ok & _training_independent(losses_fn, batch, swapped_batch, mask, close,
+                                          seed_states), distinct
 
     return tf.cond(tf.shape(mask)[0] >= 2, compare, _passed_untold)
+
+
+def _training_independent(losses_fn, batch, swapped_batch, mask, close, seed_states):
+    """The training-mode half of :func:`independence_probe` (a bool tensor)."""
+    saved = [tf.identity(state.value) for state in seed_states]
+
+    def train_pass(rows):
+        losses = tf.cast(losses_fn(rows, True), tf.float32)
+        # the next pass draws the same dropout masks (and the probe none)
+        restore = [state.assign(value) for state, value in zip(seed_states, saved)]
+        with tf.control_dependencies([losses] + [r for r in restore if r is not None]):
+            return tf.identity(losses)
+
+    first, again, swapped = train_pass(batch), train_pass(batch), train_pass(swapped_batch)
+    finite = tf.math.is_finite(first) & tf.math.is_finite(again) & tf.math.is_finite(swapped)
+    real = (tf.cast(mask, tf.float32) > 0) & finite
+    others = real & (tf.range(tf.shape(real)[0]) > 0)
+    reproducible = close(first, again, real)
+    return tf.logical_or(close(first, swapped, others), tf.logical_not(reproducible))
 
 
 def _passed_untold():
     """The probe's ``(ok, meaningful)`` when it has nothing to compare."""
     return tf.constant(True), tf.constant(False)
+
+
+def seed_states(model):
+    """The random seed states of ``model``'s layers (dropout's), as variables."""
+    states, seen = [], set()
+    for layer in internals.flatten_layers(model, include_self=True):
+        for generator in getattr(layer, "_seed_generators", ()):
+            if id(generator.state) not in seen:
+                seen.add(id(generator.state))
+                states.append(generator.state)
+    return states
 
 
 def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
@@ -238,7 +279,7 @@ def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
     ledger = _ledger(model)
 
     def probe():
-        return independence_probe(losses_fn, batch, mask, rtol)
+        return independence_probe(losses_fn, batch, mask, rtol, seed_states(model))
 
     # Its passes must not write model variables either (fit's probe before the
     # step is checked the same way).

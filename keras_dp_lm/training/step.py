@@ -318,11 +318,11 @@ _MIXING_REFUSED = (
     "optimizer with clipping='exact' (each example differentiated alone).")
 
 
-def _inference_losses(model):
-    """``part -> [B]`` per-example losses in inference mode (the probe's passes)."""
-    def losses(part):
+def _probe_losses(model):
+    """``(part, training) -> [B]`` per-example losses (the probe's passes)."""
+    def losses(part, training):
         px, py, psw = part
-        return per_example_losses(model, px, py, model(px, training=False), psw)
+        return per_example_losses(model, px, py, model(px, training=training), psw)
     return losses
 
 
@@ -371,7 +371,8 @@ def _probe_batch(model, data, spec=None):
             x, y, sample_weight, mask, _, _ = _unpack(batch)
             # refused on the traced graph, before it runs, if it writes variables
             return refusals.without_state_updates(model, lambda: refusals.independence_probe(
-                _inference_losses(model), (x, y, sample_weight), mask))
+                _probe_losses(model), (x, y, sample_weight), mask,
+                seed_states=refusals.seed_states(model)))
         probe = _PROBES[model] = tf.function(run, reduce_retracing=True)
     if spec is not None:
         probe = probe.get_concrete_function(spec)
@@ -484,7 +485,7 @@ def dp_train_step(model, data):
         # fit / train_on_batch probe before the first step, in a call of its
         # own (_train_function_probing_first); other callers probe here.
         independent = refusals.examples_independent(
-            model, _inference_losses(model), (x, y, sample_weight), mask)
+            model, _probe_losses(model), (x, y, sample_weight), mask)
     refuse_mixing = tf.debugging.Assert(independent, [_MIXING_REFUSED])
     with tf.control_dependencies([refuse_mixing]):
         result = _clipping_core(model)(model, (x, y, sample_weight), mask, True,
