@@ -298,3 +298,105 @@ def test_user_level_check_refuses_bad_examples_per_user(k, match):
     model, batch = lora_dense()
     with pytest.raises(ValueError, match=match):
         testing.check_privacy(model, batch, examples_per_user=k)
+
+
+# ---------------------------------------------------------------------------
+# Review findings (adversarial review of the user-level checker): false passes
+
+
+class _TrainingBatchCentre(keras.layers.Layer):
+    """Subtracts the batch mean in training only, with the static batch size."""
+
+    def call(self, x, training=False):
+        if training:
+            return x - keras.ops.sum(x, axis=0, keepdims=True) / x.shape[0]
+        return x
+
+
+def test_an_error_after_the_step_accepted_the_model_fails_instead_of_passing():
+    """Before: the padding stage retraced the step with an unknown batch size,
+    this layer raised, the checker called it a refusal, dropped the leak it had
+    measured (replace 7.75 C) and PASSED."""
+    keras.utils.set_random_seed(0)
+    model = _compile(keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                       _TrainingBatchCentre(), keras.layers.Dense(2)]))
+    report = testing.check_privacy(model, _dense_batch(0, (16, 4), 2), examples_per_user=2)
+    assert report.refused is None and not report.passed, str(report)
+    assert any("could not finish" in f for f in report.failures)
+    assert any("replacing one user moved the sum" in f for f in report.failures)
+
+
+def test_a_list_batch_is_refused_with_the_fix_named():
+    """Before: [x, y] was read as two batches, the model's shape error as a
+    refusal, and a leaky step PASSED."""
+    model, (x, y) = weight_norm_dense()
+    with pytest.raises(ValueError, match=r"pass \(x, y\)"):
+        testing.check_privacy(model, [x, y])
+    assert testing.check_privacy(model, [(x, y)], num_examples=1).passed
+
+
+def test_a_step_that_clips_partial_users_per_example_fails(monkeypatch):
+    """Before: users with padding slots were never compared or removed; a step
+    clipping their rows one by one PASSED (one such user moved the sum by 1.79 C)."""
+    from keras_dp_lm.data import attach_real_slots
+    from keras_dp_lm.data import split_real_slots
+    from keras_dp_lm.testing import privacy_check
+    real = privacy_check.dp_clipped_gradient
+
+    def per_row_for_partial_users(model, batch):
+        x, y, marked = batch
+        mask, _, weight = split_real_slots(marked)
+        mask = tf.cast(mask, tf.float32)
+        full = tf.cast(tf.reduce_min(mask, axis=1, keepdims=True) > 0, tf.float32)
+        users = real(model, (x, y, attach_real_slots(weight, mask * full)))
+        rows = real(model, (x, y, attach_real_slots(weight, tf.reshape(mask * (1 - full), [-1]))))
+        return users._replace(grads=[a + b for a, b in zip(users.grads, rows.grads)],
+                              mask=tf.reshape(mask, [-1]))
+
+    model = _compile(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(12, 4)).astype("float32")
+    y = (5.0 + rng.normal(size=(12, 3))).astype("float32")  # every row reaches the clip
+    assert testing.check_privacy(model, (x, y), examples_per_user=3).passed
+    monkeypatch.setattr(privacy_check, "dp_clipped_gradient", per_row_for_partial_users)
+    report = testing.check_privacy(model, (x, y), examples_per_user=3)
+    assert not report.passed and report.remove_one_ratio > 1.5, str(report)
+
+
+def test_a_step_that_leaves_its_second_micro_batch_unclipped_fails(monkeypatch):
+    """Before: only the first units were removed and replaced, all in the first
+    micro-batch; a step that did not clip the second one PASSED."""
+    from keras_dp_lm.data import attach_real_slots
+    from keras_dp_lm.data import split_real_slots
+    from keras_dp_lm.testing import privacy_check
+    from keras_dp_lm.training import per_example_losses
+    real = privacy_check.dp_clipped_gradient
+
+    def second_half_unclipped(model, batch):
+        x, y, marked = batch
+        mask, _, weight = split_real_slots(marked)
+        mask = tf.cast(mask, tf.float32)
+        users = tf.shape(mask)[0]
+        first = tf.cast(tf.range(users) < (users + 1) // 2, tf.float32)[:, None]
+        result = real(model, (x, y, attach_real_slots(weight, mask * first)))
+        rows = tf.reshape(mask * (1 - first) / tf.maximum(
+            tf.reduce_sum(mask, 1, keepdims=True), 1.0), [-1])
+        with tf.GradientTape() as tape:
+            losses = per_example_losses(model, x, y, model(x, training=True), weight)
+            loss = tf.reduce_sum(tf.where(rows > 0, losses * rows, 0.0))
+        grads = tape.gradient(loss, model.trainable_variables)
+        return result._replace(grads=[a + b for a, b in zip(result.grads, grads)],
+                               norms=real(model, batch).norms, mask=tf.reshape(mask, [-1]))
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=4.0, noise_multiplier=1.0,
+                                      gradient_accumulation_steps=2), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+    x[:8] *= 6
+    x[8:] *= 0.3
+    y[8:] *= 0.3  # users 0-3 reach the clip, the others stay under it
+    monkeypatch.setattr(privacy_check, "dp_clipped_gradient", second_half_unclipped)
+    report = testing.check_privacy(model, (x, y), examples_per_user=2)
+    assert not report.passed and report.replace_one_ratio > 2.5, str(report)

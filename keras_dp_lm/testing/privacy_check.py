@@ -6,11 +6,14 @@ For a model compiled with a keras_dp_lm DP optimizer and a few batches of its
 (a) compares the DP step's per-example gradient norms and clipped sum with a
     naive loop that differentiates each example's loss on its own (the
     definition of per-example clipping);
-(b) measures neighbouring-batch sensitivity: the clipped sum without one
-    example must move by at most ``C`` (add/remove adjacency, what the
-    accountant assumes), and with one example replaced by an adversarial one
-    (inputs scaled by 1e3 or random token ids, other labels, sample weight
-    1e9) by at most ``2 C``;
+(b) measures neighbouring-batch sensitivity on a few units spread over the
+    batch (first, last and between: every micro-batch of an accumulated
+    step): the clipped sum without one example must move by at most ``C``
+    (add/remove adjacency, what the accountant assumes) and by exactly that
+    example's naive clipped gradient, and with one example replaced by an
+    adversarial one (inputs scaled by 1e3 or random token ids, other labels,
+    sample weight 1e9) by at most ``2 C``; these bounds hold to float32
+    rounding whatever ``tolerance`` says;
 (c) checks that padding slots (marked with
     :func:`keras_dp_lm.data.attach_real_slots`) are inert: changing their
     contents arbitrarily leaves the clipped sum bit-identical;
@@ -23,8 +26,15 @@ step trains on :func:`keras_dp_lm.data.poisson_user_batches`: rows
 ``u*k .. u*k+k-1`` of a batch are user ``u``'s records; the naive loop
 differentiates each user's mean loss over its rows together; removing one
 user (all its rows) must move the clipped sum by at most ``C`` and
-replacing all its rows by at most ``2 C``; and a padding slot inside a real
-user, as well as whole padding users, must be inert.
+replacing all its rows by at most ``2 C``; users with fewer than ``k``
+records (padding slots inside them) are compared and removed the same way;
+and a padding slot inside a real user, as well as whole padding users, must
+be inert.
+
+A model or batch the model itself cannot run raises as is; only an error of
+the DP step on its first call is reported as a refusal (a pass: nothing was
+updated). An error on a later call (another batch size, padding) fails the
+check: it could not finish.
 
 Nothing is trained: the weights are never updated. The forward pass in
 training mode must be deterministic for (a) and (b) to be meaningful (set
@@ -51,6 +61,22 @@ class _Refused(Exception):
     """The DP step refused the model (raised by the step, not by the checker)."""
 
 
+class _Inconclusive(Exception):
+    """The DP step raised after it had accepted the model (another batch shape)."""
+
+
+def _batches(batches):
+    """A list of ``(x, y[, sample_weight])`` tuples, or a ``ValueError``."""
+    batches = [batches] if isinstance(batches, tuple) else list(batches)
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, (tuple, list)) or not 1 <= len(batch) <= 3:
+            raise ValueError(
+                "check_privacy takes one batch as a tuple (x, y) or (x, y, sample_weight), "
+                f"or a list of such tuples; item {i} is a {type(batch).__name__}. A list "
+                "[x, y] is read as two batches: pass (x, y).")
+    return batches
+
+
 @dataclasses.dataclass
 class PrivacyCheckReport:
     """What :func:`check_privacy` measured; ``passed`` says whether every check held."""
@@ -65,6 +91,7 @@ class PrivacyCheckReport:
     num_users: int = 0
     max_norm_error: float = 0.0
     max_sum_error: float = 0.0
+    max_unit_error: float = 0.0
     remove_one_ratio: float = 0.0
     replace_one_ratio: float = 0.0
     padding_inert: bool = True
@@ -96,6 +123,8 @@ class PrivacyCheckReport:
                 (f"per-{unit} norms vs naive loop", f"max rel. error {self.max_norm_error:.2e}"
                  f" (<= {tol:g})"),
                 ("clipped sum vs naive loop", f"rel. error {self.max_sum_error:.2e} (<= {tol:g})"),
+                (f"one {unit}'s part vs naive loop",
+                 f"differs by {self.max_unit_error:.2e} C (<= {tol:g})"),
                 (f"remove one {unit}", f"moves the sum by {self.remove_one_ratio:.4f} C (<= 1)"),
                 (f"replace one {unit} (adversarial)",
                  f"moves the sum by {self.replace_one_ratio:.4f} C (<= 2)"),
@@ -122,13 +151,14 @@ def _flat(grads):
     return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in grads])
 
 
-def _naive(model, x, y, sample_weight, clip, k=1, real=None):
+def _naive(model, x, y, sample_weight, clip, k=1, real=None, keep=()):
     """Each unit alone (an example, or a user's ``k`` rows): its loss (the
-    mean over the unit's real rows), gradient, norm, clip; the sum."""
+    mean over the unit's real rows), gradient, norm, clip; the sum, and the
+    clipped contributions of the units in ``keep`` (a dict)."""
     variables = model.trainable_variables
     size = len(tf.nest.flatten(x)[0])
     real = np.ones(size, bool) if real is None else np.asarray(real, bool)
-    total, norms = 0.0, []
+    total, norms, kept = 0.0, [], {}
     for u in range(size // k):
         rows = np.arange(u * k, (u + 1) * k)[real[u * k:(u + 1) * k]]
         if not len(rows):
@@ -143,8 +173,11 @@ def _naive(model, x, y, sample_weight, clip, k=1, real=None):
         flat = _flat(grads)
         norm = float(np.linalg.norm(flat))
         norms.append(norm)
-        total = total + (min(1.0, clip / norm) if norm > 0 else 1.0) * flat
-    return np.asarray(norms), total
+        contribution = (min(1.0, clip / norm) if norm > 0 else 1.0) * flat
+        total = total + contribution
+        if u in keep:
+            kept[u] = contribution
+    return np.asarray(norms), total, kept
 
 
 def _adversarial(rng, leaf, scale):
@@ -188,7 +221,10 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
             a list of them, as the model's ``train_step`` receives them (for
             KerasHub tasks: the preprocessor's output).
         num_examples: how many units (examples, or users) of each batch to
-            remove / replace for the sensitivity checks.
+            remove / replace for the sensitivity checks, spread over the batch.
+            A leak confined to a unit not removed shows only in the comparison
+            of the whole sum (relative to its norm): pass the number of units
+            in a batch to remove every one.
         adversarial_scale: scale of the adversarial float inputs.
         tolerance: relative tolerance of (a) and of the bounds in (b);
             default 1e-4, 2e-2 when the compute dtype is bfloat16 (the naive
@@ -227,12 +263,15 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
                          f"{examples_per_user!r}.")
     user_k = None if examples_per_user is None else int(examples_per_user)
     k = user_k or 1
-    batches = [batches] if isinstance(batches, tuple) else list(batches)
+    batches = _batches(batches)
     clip = float(optimizer.l2_norm_clip)
     compute = getattr(getattr(model, "dtype_policy", None), "compute_dtype", "float32")
     if tolerance is None:
         tolerance = 2e-2 if compute == "bfloat16" else 1e-4
-    bound_tol = 1e-5 if compute == "bfloat16" else tolerance
+    # The C and 2 C bounds hold to float32 rounding whatever the compute dtype:
+    # `tolerance` (the comparison with the naive loop) does not loosen them.
+    bound_tol = 1e-4
+    accepted = []  # the step has run once: a later error is not a refusal
     report = PrivacyCheckReport(model_name=getattr(model, "name", type(model).__name__),
                                 l2_norm_clip=clip, tolerance=tolerance,
                                 examples_per_user=user_k)
@@ -254,7 +293,10 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
         try:
             grads, norms, mask = clipped(x, y, sample_weight)
         except _REFUSALS as error:  # only the DP step's own refusals count as refusals
+            if accepted:
+                raise _Inconclusive(f"{type(error).__name__}: {error}") from error
             raise _Refused(f"{type(error).__name__}: {error}") from error
+        accepted.append(True)
         # accumulation pads the batch to a multiple of its steps: keep real units
         norms, mask = norms.numpy(), mask.numpy()
         if user_k is not None and len(norms) != len(mask):
@@ -262,6 +304,13 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
         if len(norms) != len(mask):  # not one norm per unit: no unit-wise comparison
             return _flat([g.numpy() for g in grads]), np.full(len(mask), np.inf)
         return _flat([g.numpy() for g in grads]), norms[mask > 0]
+
+    def compare(norms, ref_norms, full, ref_sum):
+        report.max_norm_error = max(report.max_norm_error, float(np.max(
+            np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-12), initial=0.0))
+            if norms.shape == ref_norms.shape else np.inf)
+        report.max_sum_error = max(report.max_sum_error, float(
+            np.linalg.norm(full - ref_sum) / max(np.linalg.norm(ref_sum), 1e-12)))
 
     rng = np.random.default_rng(seed)
     try:
@@ -275,6 +324,9 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
                 raise ValueError(f"A batch of {size} rows does not split into users of "
                                  f"examples_per_user={k} rows each.")
             units = size // k
+            # The model runs on the batch outside the DP step: an error here is
+            # the batch's or the model's, never a refusal (raised as is).
+            model(x, training=False)
             full, norms = step(x, y, sample_weight)
             again, _ = step(x, y, sample_weight)
             if not np.allclose(full, again, rtol=1e-6, atol=0.0):
@@ -283,21 +335,30 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
                     "batch differ), so nothing can be compared: set dropout (and other "
                     "training-time randomness) to 0 for the check")
                 break
-            ref_norms, ref_sum = _naive(model, x, y, weight, clip, k)
+            # the units removed / replaced: spread over the batch (first, last,
+            # every micro-batch), not only its first rows
+            tested = np.unique(np.linspace(0, units - 1, min(num_examples, units)).round()
+                               .astype(int))
+            ref_norms, ref_sum, ref_units = _naive(model, x, y, weight, clip, k, keep=tested)
             report.num_examples += size
             report.num_users += units if user_k else 0
-            report.max_norm_error = max(report.max_norm_error, float(np.max(
-                np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-12)))
-                if norms.shape == ref_norms.shape else np.inf)
-            report.max_sum_error = max(report.max_sum_error, float(
-                np.linalg.norm(full - ref_sum) / max(np.linalg.norm(ref_sum), 1e-12)))
-            for u in range(min(num_examples, units)):
-                rows = slice(u * k, (u + 1) * k)
-                keep = np.ones(size, bool)
-                keep[rows] = False
+            compare(norms, ref_norms, full, ref_sum)
+
+            def remove(u, base, reference, real):
+                """Remove unit ``u`` from the batch whose real rows are ``real``:
+                the sum must move by <= C, and by exactly u's naive clipped part."""
+                keep = real.copy()
+                keep[u * k:(u + 1) * k] = False
                 removed, _ = step(x, y, sample_weight, keep)
+                moved = base - removed
                 report.remove_one_ratio = max(report.remove_one_ratio,
-                                              float(np.linalg.norm(full - removed)) / clip)
+                                              float(np.linalg.norm(moved)) / clip)
+                report.max_unit_error = max(report.max_unit_error, float(
+                    np.linalg.norm(moved - reference)) / clip)
+
+            for u in tested:
+                rows = slice(u * k, (u + 1) * k)
+                remove(u, full, ref_units[u], np.ones(size, bool))
                 adv_x = _replace(x, rows, rng, adversarial_scale)
                 adv_y = _replace(y, rows, rng, adversarial_scale)
                 adv_w = sample_weight
@@ -307,6 +368,18 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
                 replaced, _ = step(adv_x, adv_y, adv_w)
                 report.replace_one_ratio = max(report.replace_one_ratio,
                                                float(np.linalg.norm(full - replaced)) / clip)
+            if user_k is not None and k > 1:
+                # users with fewer than k records (padding slots inside them):
+                # the naive comparison, and removing such a user, as above
+                partial = np.ones(size, bool)
+                for i, u in enumerate(tested):
+                    partial[u * k + 1 + i % (k - 1):(u + 1) * k] = False
+                part_sum, part_norms = step(x, y, sample_weight, partial)
+                ref_norms, ref_sum, ref_units = _naive(model, x, y, weight, clip, k,
+                                                       partial, keep=tested)
+                compare(part_norms, ref_norms, part_sum, ref_sum)
+                for u in tested:
+                    remove(u, part_sum, ref_units[u], partial)
             # padding: two extra units with arbitrary contents change nothing, nor
             # (user level) a padding slot inside the first, real user
             pad = np.concatenate([np.ones(size, bool), np.zeros(2 * k, bool)])
@@ -324,8 +397,14 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
             report.padding_inert = report.padding_inert and bool(np.array_equal(first, second))
     except _Refused as refusal:
         report.refused = str(refusal)
+    except _Inconclusive as error:
+        report.failures.append(
+            "the DP step accepted this model, then raised on a batch of another size "
+            f"or padding, so the check could not finish: {str(error).splitlines()[0][:300]}")
     after = [np.array(v.numpy()) for v in model.trainable_variables]
     report.weights_unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
+    if report.refused is None and not report.num_examples:
+        report.failures.append("no example was checked (empty batches)")
     if report.refused is None:
         coverage = clipping.clipping_coverage(model)
         report.coverage = {k: sum(1 for v in coverage.values() if v == k)
@@ -338,6 +417,10 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
                                    f"{report.max_norm_error:.2e}")
         if report.max_sum_error > tolerance:
             report.failures.append(f"clipped sum differs by {report.max_sum_error:.2e}")
+        if report.max_unit_error > tolerance:
+            report.failures.append(
+                f"removing a {report.privacy_unit} moved the sum by {report.max_unit_error:.2e} C "
+                f"more or less than its naive clipped gradient")
         if report.remove_one_ratio > 1 + bound_tol:
             report.failures.append(f"removing one {report.privacy_unit} moved the sum by "
                                    f"{report.remove_one_ratio:.4f} C")
