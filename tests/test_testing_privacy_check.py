@@ -184,6 +184,23 @@ def test_mixed_bfloat16_model_passes_at_bfloat16_tolerance(bfloat16_policy):
     assert report.tolerance == 2e-2
 
 
+@pytest.mark.parametrize("k", [None, 2])
+def test_a_jit_compiled_model_is_checked_through_the_steps_xla_core(k):
+    """Review finding: the check ran the graph path only; with jit_compile=True
+    fit runs the clipping in an XLA program of its own, which it now checks."""
+    from keras_dp_lm.training import step
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4, 6)), keras.layers.Conv1D(5, 3),
+                              keras.layers.LayerNormalization(), keras.layers.Flatten(),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.05, noise_multiplier=1.0),
+                  loss="mse", jit_compile=True)
+    report = testing.check_privacy(model, _dense_batch(3, (8, 4, 6), 2), num_examples=2,
+                                   examples_per_user=k)
+    assert report.passed and report.remove_one_ratio > 0.3, str(report)
+    assert model in step._XLA_CORES
+
+
 def test_a_broken_step_fails_the_check(monkeypatch):
     """The checker is not vacuous: a step that forgets to clip one example fails it."""
     from keras_dp_lm.testing import privacy_check

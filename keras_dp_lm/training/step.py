@@ -227,11 +227,12 @@ def dp_clipped_gradient(model, data, update_metrics=False):
     slots, marked by :func:`keras_dp_lm.data.attach_real_slots`, get a loss
     of exactly 0, so they add nothing whatever the loss or preprocessing does
     with ``sample_weight``. With ``update_metrics``, compiled metrics are
-    updated from the outputs of the first micro-batch.
+    updated from the outputs of the first micro-batch. A model compiled with
+    ``jit_compile=True`` runs the step's XLA core, as ``fit`` does.
     """
     x, y, sample_weight, mask, _, per_user = _unpack(data)
-    return _clipped_batch(model, (x, y, sample_weight), mask, update_metrics,
-                          per_user or 1)
+    return _clipping_core(model)(model, (x, y, sample_weight), mask, update_metrics,
+                                 per_user or 1)
 
 
 def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
