@@ -384,9 +384,17 @@ class _TrainingBatchCentre(keras.layers.Layer):
         return x
 
 
-def _training_mixing_model(dropout=0.0):
+class _UnseededNoise(keras.layers.Layer):
+    """Training only: noise from ``tf.random`` (no Keras seed generator)."""
+
+    def call(self, x, training=False):
+        return x + 1e-3 * tf.random.normal(tf.shape(x)) if training else x
+
+
+def _training_mixing_model(dropout=0.0, unseeded_noise=False):
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
                              keras.layers.Dropout(dropout), _TrainingBatchCentre(),
+                             *([_UnseededNoise()] if unseeded_noise else []),
                              keras.layers.Dense(3)])
 
 
@@ -403,7 +411,8 @@ def _assert_mixing_refused_before_any_update(model, x, y):
 @pytest.mark.parametrize("case,jit", [("batch_mean_layer", False),
                                       ("in_batch_contrastive_loss", False),
                                       ("batch_mean_layer", True),
-                                      ("training_only_mixing_with_dropout", False)])
+                                      ("training_only_mixing_with_dropout", False),
+                                      ("training_only_mixing_with_unseeded_noise", False)])
 def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, jit):
     """Before: trained silently; one example moved the clipped sum by up to 5.3 C.
 
@@ -421,6 +430,10 @@ def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, j
         # mixes examples only when training trained (one user moved the sum by
         # 5.86 C). Its training passes replay dropout's masks.
         model, loss = _training_mixing_model(dropout=0.3), "mse"
+    elif case == "training_only_mixing_with_unseeded_noise":
+        # Second finding: tf.random noise made the probe's two identical
+        # training passes differ, and it then passed untold (trained).
+        model, loss = _training_mixing_model(unseeded_noise=True), "mse"
     else:
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         loss = _InBatchContrastive()
@@ -462,6 +475,27 @@ def test_the_training_probe_passes_dropout_and_leaves_its_seed_state_alone():
     assert np.array_equal(state.numpy(), before)  # the probe draws no randomness
     model.fit(x, y, batch_size=6, verbose=0)
     assert kdp.ledger_of(model).updates == 1
+
+
+def test_randomness_outside_keras_seed_generators_is_refused_seeded_noise_is_not():
+    """The probe cannot replay ``tf.random`` draws, so it refuses them (they
+    could hide mixing); ``keras.layers.GaussianNoise`` (a SeedGenerator) trains."""
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
+    y = np.zeros((6, 3), "float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), _UnseededNoise(),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss="mse")
+    with pytest.raises(ValueError, match="outside Keras's seed generators"):
+        model.fit(x, y, batch_size=6, verbose=0)
+    assert kdp.ledger_of(model).updates == 0
+    seeded = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                               keras.layers.GaussianNoise(0.1), keras.layers.Dense(3)])
+    seeded.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                   loss="mse")
+    seeded.fit(x, y, batch_size=6, verbose=0)
+    assert kdp.ledger_of(seeded).updates == 1
 
 
 def test_a_first_batch_of_one_example_leaves_the_probe_to_the_next_batch():

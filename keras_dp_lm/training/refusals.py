@@ -196,9 +196,10 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=()):
       before every pass so that each pass draws the same masks: the losses of
       examples 1.. must not change when example 0 is replaced. This sees
       mixing that happens only in training (a layer subtracting the batch
-      mean when ``training=True``). If two passes on the same rows differ
-      (randomness outside Keras's seed generators), it cannot tell and
-      does not refuse.
+      mean when ``training=True``). Two passes on the same rows must agree:
+      randomness outside Keras's seed generators (``tf.random.*`` in a
+      layer's ``call``) cannot be replayed, would hide such mixing, and is
+      refused too.
     """
     # A few rows suffice to see mixing, and keep the probe cheap for huge
     # (accumulated) logical batches.
@@ -249,8 +250,8 @@ def _training_independent(losses_fn, batch, swapped_batch, mask, close, seed_sta
     finite = tf.math.is_finite(first) & tf.math.is_finite(again) & tf.math.is_finite(swapped)
     real = (tf.cast(mask, tf.float32) > 0) & finite
     others = real & (tf.range(tf.shape(real)[0]) > 0)
-    reproducible = close(first, again, real)
-    return tf.logical_or(close(first, swapped, others), tf.logical_not(reproducible))
+    # Not reproducible: the comparison cannot tell, so the probe fails closed.
+    return close(first, again, real) & close(first, swapped, others)
 
 
 def _passed_untold():

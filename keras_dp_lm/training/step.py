@@ -314,9 +314,13 @@ def _clipping_core(model):
 _MIXING_REFUSED = (
     "keras_dp_lm refused the batch: one example's loss depends on other examples "
     "of the batch (a layer or loss mixes examples: batch statistics, attention or "
-    "similarity across the batch axis). Fast clipping cannot bound such a model. "
-    "Make each example's loss depend on that example alone, or compile the DP "
-    "optimizer with clipping='exact' (each example differentiated alone).")
+    "similarity across the batch axis), or the training pass draws randomness "
+    "outside Keras's seed generators (tf.random.* in a layer's call), which the "
+    "check cannot replay and which could hide such mixing. Fast clipping cannot "
+    "bound such a model. Make each example's loss depend on that example alone "
+    "and draw randomness with keras.random and a keras.random.SeedGenerator (as "
+    "keras.layers.Dropout does), or compile the DP optimizer with "
+    "clipping='exact' (each example differentiated alone).")
 
 
 def _probe_losses(model):
