@@ -343,6 +343,13 @@ def test_an_error_after_the_step_accepted_the_model_fails_instead_of_passing():
     assert any("replacing one user moved the sum" in f for f in report.failures)
 
 
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "all"])
+def test_bad_num_examples_is_refused(bad):
+    model, batch = weight_norm_dense()
+    with pytest.raises(ValueError, match="num_examples"):
+        testing.check_privacy(model, batch, num_examples=bad)
+
+
 def test_a_list_batch_is_refused_with_the_fix_named():
     """Before: [x, y] was read as two batches, the model's shape error as a
     refusal, and a leaky step PASSED."""
@@ -417,3 +424,41 @@ def test_a_step_that_leaves_its_second_micro_batch_unclipped_fails(monkeypatch):
     monkeypatch.setattr(privacy_check, "dp_clipped_gradient", second_half_unclipped)
     report = testing.check_privacy(model, (x, y), examples_per_user=2)
     assert not report.passed and report.replace_one_ratio > 2.5, str(report)
+
+
+def test_under_bfloat16_every_unit_is_removed_so_a_leak_in_one_fails(bfloat16_policy,
+                                                                        monkeypatch):
+    """Review finding F5: a step giving one untested user of 32 a 1.3 C share
+    passed at bfloat16's 2e-2 tolerance on the whole sum; under bfloat16 the
+    check now removes every unit by default."""
+    from keras_dp_lm.data import split_real_slots
+    from keras_dp_lm.testing import privacy_check
+    from keras_dp_lm.training import per_example_losses
+    real = privacy_check.dp_clipped_gradient
+    clip = 0.05
+
+    def unit_5_gets_more(model, batch):
+        x, y, marked = batch
+        mask, _, weight = split_real_slots(marked)
+        result = real(model, batch)
+        with tf.GradientTape() as tape:
+            losses = per_example_losses(model, x, y, model(x, training=True), weight)
+            real_5 = 1.0 if mask is None else tf.cast(tf.reshape(mask, [-1])[5] > 0, losses.dtype)
+            loss = losses[5] * real_5
+        grads = tape.gradient(loss, model.trainable_variables)
+        norm = tf.linalg.global_norm(grads)
+        scale = 0.3 * tf.minimum(1.0, clip / tf.maximum(norm, 1e-12))
+        return result._replace(grads=[a + scale * tf.cast(b, a.dtype)
+                                      for a, b in zip(result.grads, grads)])
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=clip, noise_multiplier=1.0),
+                  loss="mse")
+    rng = np.random.default_rng(0)
+    x = (1.0 + 0.1 * rng.normal(size=(32, 4))).astype("float32")  # aligned gradients
+    y = np.zeros((32, 3), "float32")
+    monkeypatch.setattr(privacy_check, "dp_clipped_gradient", unit_5_gets_more)
+    sampled = testing.check_privacy(model, (x, y), num_examples=4)
+    assert sampled.passed and sampled.refused is None, str(sampled)  # 5 not in 0, 10, 21, 31
+    report = testing.check_privacy(model, (x, y))
+    assert not report.passed and report.remove_one_ratio > 1.25, str(report)

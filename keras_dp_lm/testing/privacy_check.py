@@ -210,7 +210,7 @@ def _slots(real, k):
     return real if k is None else real.reshape(-1, k)
 
 
-def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, tolerance=None,
+def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tolerance=None,
                   seed=0, raise_on_failure=False, examples_per_user=None):
     """Check the DP step of ``model`` on a few batches; returns a :class:`PrivacyCheckReport`.
 
@@ -222,9 +222,12 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
             KerasHub tasks: the preprocessor's output).
         num_examples: how many units (examples, or users) of each batch to
             remove / replace for the sensitivity checks, spread over the batch.
-            A leak confined to a unit not removed shows only in the comparison
-            of the whole sum (relative to its norm): pass the number of units
-            in a batch to remove every one.
+            Default: 4, and every unit when the compute dtype is bfloat16. A
+            leak confined to a unit not removed shows only in the comparison of
+            the whole sum, relative to its norm: at float32's 1e-4 that is a
+            small fraction of ``C``, at bfloat16's 2e-2 of a 32-unit batch it
+            could be ``0.3 C``, hence the full sweep there. Pass the number of
+            units in a batch to remove every one at any dtype.
         adversarial_scale: scale of the adversarial float inputs.
         tolerance: relative tolerance of (a) and of the bounds in (b);
             default 1e-4, 2e-2 when the compute dtype is bfloat16 (the naive
@@ -268,6 +271,11 @@ def check_privacy(model, batches, num_examples=4, adversarial_scale=1e3, toleran
     compute = getattr(getattr(model, "dtype_policy", None), "compute_dtype", "float32")
     if tolerance is None:
         tolerance = 2e-2 if compute == "bfloat16" else 1e-4
+    if num_examples is None:
+        num_examples = np.inf if compute == "bfloat16" else 4
+    elif not isinstance(num_examples, (int, np.integer)) or num_examples < 1:
+        raise ValueError(f"`num_examples` must be a positive int or None, got "
+                         f"{num_examples!r}.")
     # The C and 2 C bounds hold to float32 rounding whatever the compute dtype:
     # `tolerance` (the comparison with the naive loop) does not loosen them.
     bound_tol = 1e-4
