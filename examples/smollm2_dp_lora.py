@@ -42,6 +42,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", default=None)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--lora-layers", default=None,
+                   help="comma-separated layer names to adapt (KerasHub's default: "
+                        "query and value), e.g. value: fewer adapter parameters, so "
+                        "less noise in total")
     p.add_argument("--sequence-length", type=int, default=32)
     p.add_argument("--target-epsilon", type=float, default=8.0)
     p.add_argument("--delta", type=float, default=None)
@@ -61,6 +65,11 @@ def main(argv=None):
     p.add_argument("--verbose", type=int, default=1)
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    lora_layers = None
+    if args.lora_layers is not None:
+        lora_layers = [n.strip() for n in args.lora_layers.split(",") if n.strip()]
+        if not lora_layers:
+            p.error("--lora-layers names no layer")
 
     import keras
     import tensorflow as tf
@@ -82,7 +91,7 @@ def main(argv=None):
     def fresh():
         lm = models.load_gguf_causal_lm(checkpoint, sequence_length=args.sequence_length,
                                         start_token="<|endoftext|>", end_token="<|endoftext|>")
-        lm.backbone.enable_lora(args.rank)
+        lm.backbone.enable_lora(args.rank, target_layer_names=lora_layers)
         return lm
 
     def perplexity(lm):
