@@ -391,6 +391,55 @@ class _UnseededNoise(keras.layers.Layer):
         return x + 1e-3 * tf.random.normal(tf.shape(x)) if training else x
 
 
+class _StraightThroughBatchMean(keras.layers.Layer):
+    """Forward: the identity. Backward: every row also gets the batch's mean
+    gradient (a straight-through estimator over a batch statistic)."""
+
+    def call(self, x):
+        m = keras.ops.mean(x, axis=0, keepdims=True)
+        return x + (m - keras.ops.stop_gradient(m))
+
+
+class _StraightThroughBatchMeanInTraining(_StraightThroughBatchMean):
+    def call(self, x, training=False):
+        return super().call(x) if training else x
+
+
+class _BatchRmsGradient(keras.layers.Layer):
+    """Forward: the identity. Backward: the upstream gradient divided by its RMS
+    over the whole batch (a custom gradient normalised over the batch)."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(t):
+            def grad(upstream):
+                return upstream / (tf.sqrt(tf.reduce_mean(tf.square(upstream))) + 1e-12)
+            return tf.identity(t), grad
+        return identity(x)
+
+
+class _BatchMaxScale(keras.layers.Layer):
+    """Scales by the batch's largest activation (max-abs / fake-quantisation range)."""
+
+    def call(self, x):
+        return x / keras.ops.max(keras.ops.abs(x))
+
+
+class _TrainingMeanIntoRowZero(keras.layers.Layer):
+    """Training only: adds the batch mean to row 0 (a summary slot)."""
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        first = keras.ops.cast(keras.ops.arange(keras.ops.shape(x)[0]) == 0, x.dtype)
+        return x + 5.0 * first[:, None] * keras.ops.mean(x, axis=0, keepdims=True)
+
+
+def _between_dense(layer):
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), layer,
+                             keras.layers.Dense(3)])
+
+
 def _training_mixing_model(dropout=0.0, unseeded_noise=False):
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
                              keras.layers.Dropout(dropout), _TrainingBatchCentre(),
@@ -412,7 +461,12 @@ def _assert_mixing_refused_before_any_update(model, x, y):
                                       ("in_batch_contrastive_loss", False),
                                       ("batch_mean_layer", True),
                                       ("training_only_mixing_with_dropout", False),
-                                      ("training_only_mixing_with_unseeded_noise", False)])
+                                      ("training_only_mixing_with_unseeded_noise", False),
+                                      ("straight_through_batch_mean", False),
+                                      ("straight_through_batch_mean_in_training", False),
+                                      ("custom_gradient_over_the_batch", False),
+                                      ("batch_maximum_in_a_row_not_swapped", False),
+                                      ("training_only_mixing_into_row_0", False)])
 def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, jit):
     """Before: trained silently; one example moved the clipped sum by up to 5.3 C.
 
@@ -434,12 +488,29 @@ def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, j
         # Second finding: tf.random noise made the probe's two identical
         # training passes differ, and it then passed untold (trained).
         model, loss = _training_mixing_model(unseeded_noise=True), "mse"
+    elif case == "straight_through_batch_mean":
+        # Third review: mixing only in the backward pass left every loss as it
+        # was, the probe passed and one example moved the sum by 9.6 C.
+        model, loss = _between_dense(_StraightThroughBatchMean()), "mse"
+    elif case == "straight_through_batch_mean_in_training":
+        # ... and with the gradient checks in inference mode only, 9.1 C.
+        model, loss = _between_dense(_StraightThroughBatchMeanInTraining()), "mse"
+    elif case == "custom_gradient_over_the_batch":
+        model, loss = _between_dense(_BatchRmsGradient()), "mse"  # 6.7 C
+    elif case == "batch_maximum_in_a_row_not_swapped":
+        # The probe replaced row 0 only: a batch maximum held by another row
+        # passed 7 times in 8 (3.8 C).
+        model, loss = _between_dense(_BatchMaxScale()), "mse"
+    elif case == "training_only_mixing_into_row_0":
+        # The training half compared rows 1.. only (5.8 C).
+        model, loss = _between_dense(_TrainingMeanIntoRowZero()), "mse"
     else:
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         loss = _InBatchContrastive()
     model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0), loss=loss,
                   jit_compile=jit)
     x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
+    x[3] *= 10.0  # the batch maximum is in row 3, neither of the rows the probe swaps
     y = np.zeros((6, 3), "float32")
     _assert_mixing_refused_before_any_update(model, x, y)
     assert kdp.ledger_of(model).updates == 0
@@ -597,6 +668,93 @@ def test_the_probes_own_passes_may_not_write_variables(path):
             model.fit(x, y, batch_size=4, verbose=0)
     assert not np.any(model.layers[0].mem.numpy())
     assert kdp.ledger_of(model).updates == 0
+
+
+class _WeightsNormalisedOverTheBatch(keras.Model):
+    """Each example's loss times its sample weight over the batch's mean weight."""
+
+    def compute_per_example_loss(self, x, y, y_pred, sample_weight):
+        per = keras.ops.mean(keras.ops.square(y - y_pred), axis=-1)
+        if sample_weight is None:
+            return per
+        w = keras.ops.reshape(keras.ops.cast(sample_weight, per.dtype), (-1,))
+        return per * w / keras.ops.mean(w)
+
+
+def test_sample_weights_normalised_over_the_batch_are_refused_when_rows_0_and_1_agree():
+    """Review finding: the probe replaced row 0 by row 1 with its weight; with
+    equal weights in rows 0 and 1 the batch mean did not move and it trained
+    (one example with weight 1e6 moved the sum by 4.4 C). Each compared row is
+    now also evaluated in a batch of its own copies."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = _WeightsNormalisedOverTheBatch(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.random.default_rng(3).normal(size=(8, 4)).astype("float32")
+    y = np.ones((8, 2), "float32")
+    weights = np.ones(8, "float32")
+    weights[5] = 3.0  # rows 0 and 1 share their weight
+    with pytest.raises(ValueError, match="mixes examples"):
+        model.fit(x, y, sample_weight=weights, batch_size=8, verbose=0)
+    assert kdp.ledger_of(model).updates == 0
+
+
+class _PairsRowsEightApart(keras.layers.Layer):
+    """Adds row i + 8 (mod the batch) to row i: the identity pairing on 8 rows."""
+
+    def call(self, x):
+        return x + keras.ops.roll(x, 8, axis=0)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_probe_runs_the_model_at_the_batch_size_it_trains_at(accumulation):
+    """Review finding: the probe ran the model on the first 8 rows, where this
+    pairing is invisible, and a batch of 16 trained (2.6 C). It now runs at the
+    micro-batch size the step uses (16 rows, or 8 with two accumulation steps,
+    where the pairing is per example and trains)."""
+    keras.utils.set_random_seed(0)
+    model = _between_dense(_PairsRowsEightApart())
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                      gradient_accumulation_steps=accumulation),
+                  loss="mse")
+    x = np.random.default_rng(1).normal(size=(16, 4)).astype("float32")
+    y = np.zeros((16, 3), "float32")
+    if accumulation == 1:
+        with pytest.raises(ValueError, match="mixes examples"):
+            model.fit(x, y, batch_size=16, verbose=0)
+        assert kdp.ledger_of(model).updates == 0
+    else:  # rolling 8 rows by 8 is the identity: each example alone, bounded
+        model.fit(x, y, batch_size=16, verbose=0)
+        assert kdp.ledger_of(model).updates == 1
+
+
+class _TrainingBatchCentreOverflowing(keras.layers.Layer):
+    """Training only: subtracts the batch mean, non-finite when one row overflows."""
+
+    def call(self, x, training=False):
+        if training:
+            return x - keras.ops.mean(x * 1e37, axis=0, keepdims=True) / 1e37
+        return x
+
+
+def test_a_training_pass_with_no_finite_row_does_not_count_as_probed():
+    """Review finding: when every training-mode loss of the probe's batch was
+    non-finite, the training half compared nothing and the probe counted as
+    done; the next (finite) batches trained with training-only mixing (4.4 C).
+    Now such a probe tells nothing and the next batch is probed (refused)."""
+    keras.utils.set_random_seed(0)
+    model = _between_dense(_TrainingBatchCentreOverflowing())
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.random.default_rng(1).normal(size=(12, 4)).astype("float32")
+    x[3] *= 1e3  # its activations overflow the training mean of the first batch
+    y = np.zeros((12, 3), "float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)
+    with pytest.raises(ValueError, match="mixes examples"):
+        model.fit(ds, verbose=0)
+    ledger = kdp.ledger_of(model)
+    assert not ledger.probed_before_step and ledger.updates <= 1
 
 
 def test_a_nan_example_in_the_first_batch_does_not_trip_the_independence_probe():

@@ -21,7 +21,7 @@ from keras_dp_lm.clipping.interface import scale_examples
 from keras_dp_lm.clipping.interface import user_slot_mask
 
 
-def _tf_variable(v):
+def tf_variable(v):
     """The tf.Variable behind a Keras variable (TensorFlow backend)."""
     inner = getattr(v, "_value", None)
     return inner if isinstance(inner, tf.Variable) else v
@@ -51,7 +51,7 @@ def _one_example(data, index, examples_per_user=1):
 def one_example_gradient(loss_fn, example, variables):
     """``(losses, grads)`` of one example (or one user's rows): the float32
     per-row losses and the gradient of their sum, zeros where unconnected."""
-    tf_vars = [_tf_variable(v) for v in variables]
+    tf_vars = [tf_variable(v) for v in variables]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(tf_vars)
         losses = tf.cast(tf.reshape(losses_and_outputs(loss_fn(example))[0], [-1]),

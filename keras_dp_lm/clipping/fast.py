@@ -68,7 +68,7 @@ from keras_dp_lm.clipping._common import _static
 from keras_dp_lm.clipping._common import _sum_except_batch
 from keras_dp_lm.clipping._common import _var_path
 from keras_dp_lm.clipping._common import _weighted_sum
-from keras_dp_lm.clipping.exact import _tf_variable
+from keras_dp_lm.clipping.exact import tf_variable
 from keras_dp_lm.clipping.exact import per_example_gradients
 from keras_dp_lm.clipping.ghost import _Grams
 from keras_dp_lm.clipping.ghost import _choose
@@ -147,7 +147,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     outside = {v.ref() for v in detect.watched_variables()}
 
     def read_outside(v):
-        tv = _tf_variable(v)
+        tv = tf_variable(v)
         try:
             return tv.ref() in outside
         except (AttributeError, TypeError):

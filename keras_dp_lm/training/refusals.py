@@ -14,11 +14,13 @@ These break that, so the DP step refuses them before any update:
 * data-dependent losses: activity regularizers and ``add_loss`` on
   activations (see :mod:`keras_dp_lm.training.losses`);
 * for fast clipping, which takes every example's gradient from one batched
-  pass, any model or loss in which one example's per-example loss depends on
-  another example (a ``Lambda`` subtracting the batch mean, attention across
-  the batch axis, an in-batch contrastive loss): found by
-  :func:`examples_independent` on the first batch (``clipping="exact"``
-  differentiates each example alone and is not affected).
+  pass, any model or loss in which one example's per-example loss or gradient
+  depends on another example (a ``Lambda`` subtracting the batch mean,
+  attention across the batch axis, an in-batch contrastive loss, a
+  straight-through estimator over a batch statistic): found by
+  :func:`examples_independent` on the first batch, a test and not a proof
+  (``clipping="exact"`` differentiates each example alone and is not
+  affected).
 
 Random-number state (dropout's seed generators) is written too, but it
 depends on no data and is allowed.
@@ -27,6 +29,7 @@ depends on no data and is allowed.
 import keras
 import tensorflow as tf
 
+from keras_dp_lm.clipping.exact import tf_variable
 from keras_dp_lm.training import keras_internals as internals
 
 _MIXING_LAYERS = tuple(getattr(keras.layers, name) for name in ("MixUp", "CutMix")
@@ -168,7 +171,12 @@ def without_state_updates(model, forward):
     return result
 
 
-_PROBE_ROWS = 8
+def _probe_rows(batch, mask, rows):
+    """The first ``rows`` slots of ``batch`` and ``mask`` (all when ``None``)."""
+    if rows is None:
+        return batch, mask
+    cut = lambda t: t if t is None or t.shape.rank == 0 else t[:rows]  # noqa: E731
+    return tf.nest.map_structure(cut, batch), mask[:rows]
 
 
 def _replace_first(structure, donor):
@@ -182,30 +190,71 @@ def _replace_first(structure, donor):
     return tf.nest.map_structure(one, structure)
 
 
-def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=()):
-    """``(ok, meaningful)``: whether each example's loss depends on that example
-    alone, and whether the probe could tell (two distinct real examples).
+def _copies_of(structure, row):
+    """Every slot of every tensor of ``structure`` replaced by slot ``row`` (same shape)."""
+    def one(t):
+        if t is None or t.shape.rank == 0:
+            return t
+        return tf.gather(t, tf.fill(tf.shape(t)[:1], row))
+    return tf.nest.map_structure(one, structure)
 
-    ``losses_fn(batch, training) -> [B]``. On the first few rows of the batch:
+
+# Gradient of a sum vs sum of gradients: in bfloat16 the two round differently
+# (~4e-3); a backward pass that is not linear in the upstream gradient (a
+# custom gradient normalised over the batch) is off by O(1).
+_LINEARITY_RTOL = 3e-2
+_ISOLATION_GRADIENT_RTOL = 1e-3
+
+
+def _norm(tensors):
+    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32)))
+                             for t in tensors]))
+
+
+def _vectors_close(a, b, rtol, scale=None):
+    """``(||a - b|| <= rtol * scale, finite)`` over lists of tensors; ``scale``
+    defaults to ``||a|| + ||b||``."""
+    diff = _norm([x - y for x, y in zip(a, b)])
+    if scale is None:
+        scale = _norm(a) + _norm(b)
+    return diff <= rtol * scale + 1e-12, tf.math.is_finite(diff) & tf.math.is_finite(scale)
+
+
+def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variables=(),
+                       rows=None):
+    """``(ok, meaningful)``: whether each example's loss and gradient depend on
+    that example alone, and whether the probe could tell.
+
+    ``losses_fn(batch, training) -> [B]``; the model runs on the first ``rows``
+    slots of ``batch`` (all when ``None``; the step passes its micro-batch size,
+    the batch size the model is trained at). Compared on the first two rows
+    (``meaningful`` needs them real, finite and of different losses):
 
     * inference mode (dropout draws nothing): with example 0 replaced by
       example 1, every other example's loss must stay the same and example
-      0's must become example 1's. A layer or loss that mixes examples (batch
-      statistics, attention or similarity across the batch) changes them.
+      0's must become example 1's; and examples 0 and 1 must have the same
+      loss in a batch of copies of themselves as in the batch. A layer or
+      loss that mixes examples (batch statistics, a maximum or a weight
+      normalised over the batch, attention or similarity across the batch)
+      changes them.
     * training mode, with the random ``seed_states`` (dropout's) restored
-      before every pass so that each pass draws the same masks: the losses of
-      examples 1.. must not change when example 0 is replaced. This sees
-      mixing that happens only in training (a layer subtracting the batch
-      mean when ``training=True``). Two passes on the same rows must agree:
-      randomness outside Keras's seed generators (``tf.random.*`` in a
-      layer's ``call``) cannot be replayed, would hide such mixing, and is
-      refused too.
+      before every pass so that each pass draws the same masks: the same two
+      comparisons of losses. This sees mixing that happens only in training
+      (a layer subtracting the batch mean when ``training=True``). Two passes
+      on the same rows must agree: randomness outside Keras's seed
+      generators (``tf.random.*`` in a layer's ``call``) cannot be replayed,
+      would hide such mixing, and is refused too.
+    * gradients of the training pass (``variables``; fast clipping
+      differentiates it): the gradient of example 0's (1's) loss must be the
+      same in the batch and in the batch of its copies, and the gradient of
+      the two losses' sum the sum of their gradients. This sees mixing done
+      only in the backward pass (straight-through estimators over batch
+      statistics, custom gradients normalised over the batch), which fast
+      clipping would read as each example's own gradient.
+
+    A test, not a proof: the README ("Fails closed") lists what it cannot see.
     """
-    # A few rows suffice to see mixing, and keep the probe cheap for huge
-    # (accumulated) logical batches.
-    batch = tf.nest.map_structure(
-        lambda t: t if t is None or t.shape.rank == 0 else t[:_PROBE_ROWS], batch)
-    mask = mask[:_PROBE_ROWS]
+    batch, mask = _probe_rows(batch, mask, rows)
     if mask.shape[0] is not None and mask.shape[0] < 2:
         return _passed_untold()  # one example: nothing to mix with
 
@@ -214,9 +263,12 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=()):
         return tf.reduce_all(tf.where(real, tf.abs(b - a) <= tolerance, True))
 
     def compare():
-        swapped_batch = _replace_first(batch, 1)
         losses = tf.cast(losses_fn(batch, False), tf.float32)
+        swapped_batch = _replace_first(batch, 1)
         swapped = tf.cast(losses_fn(swapped_batch, False), tf.float32)
+        copies = [_copies_of(batch, i) for i in range(2)]
+        alone = tf.stack([tf.cast(losses_fn(c, False), tf.float32)[i]
+                          for i, c in enumerate(copies)])
         expected = tf.concat([losses[1:2], losses[1:]], axis=0)
         tolerance = rtol * (tf.abs(expected) + 1e-6)
         # Only real slots with finite losses are compared: a NaN / inf example
@@ -225,18 +277,68 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=()):
         finite = tf.math.is_finite(expected) & tf.math.is_finite(swapped)
         real = (tf.cast(mask, tf.float32) > 0) & finite
         both_real = real[0] & real[1]
-        same = close(expected, swapped, real)
+        same = close(expected, swapped, real) & close(losses[:2], alone, real[:2])
         # a meaningful probe: slot 0 and slot 1 differ in loss
         distinct = both_real & (tf.abs(losses[0] - losses[1]) > tolerance[0])
         ok = tf.logical_or(same, tf.logical_not(both_real))
-        return ok & _training_independent(losses_fn, batch, swapped_batch, mask, close,
-                                          seed_states), distinct
+        train_ok, train_told = _training_independent(
+            losses_fn, batch, swapped_batch, copies, mask, close, seed_states,
+            [tf_variable(v) for v in variables])
+        return ok & train_ok, distinct & train_told
 
     return tf.cond(tf.shape(mask)[0] >= 2, compare, _passed_untold)
 
 
-def _training_independent(losses_fn, batch, swapped_batch, mask, close, seed_states):
-    """The training-mode half of :func:`independence_probe` (a bool tensor)."""
+def _after(done, structure):
+    """``structure``, read only once every tensor of ``done`` is computed."""
+    with tf.control_dependencies(done):
+        return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t),
+                                     structure)
+
+
+def _pass_with_gradients(forward, rows, variables, targets_of):
+    """``(losses, grads)``: ``forward(rows)`` and, if ``variables``, the
+    gradient of each of ``targets_of(losses)``, one backward pass after
+    another (so only one pass's activations are held at a time)."""
+    if not variables:
+        return forward(rows), []
+    with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+        tape.watch(variables)
+        losses = forward(rows)
+        targets = targets_of(losses)  # sliced on the tape, so it records the slicing
+    grads, done = [], [losses]
+    for target in targets:
+        with tf.control_dependencies(done):
+            grad = tape.gradient(target, variables,
+                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # dense (an embedding's gradient is IndexedSlices) and float32
+        grad = [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grad]
+        grads.append(grad)
+        done = list(grad)
+    return losses, grads
+
+
+def _gradients_independent(grads, alone_grads):
+    """The gradient checks of :func:`independence_probe`: ``(ok, told)``.
+
+    ``grads``: the gradients of examples 0, 1 and of their summed losses in
+    the batch; ``alone_grads``: of examples 0 and 1 in batches of their copies.
+    """
+    g0, g1, pair = grads
+    checks = [_vectors_close(g, alone, _ISOLATION_GRADIENT_RTOL)
+              for g, alone in zip((g0, g1), alone_grads)]
+    checks.append(_vectors_close(pair, [a + b for a, b in zip(g0, g1)], _LINEARITY_RTOL,
+                                 scale=_norm(g0) + _norm(g1)))
+    ok = tf.reduce_all(tf.stack([c[0] for c in checks]))
+    told = tf.reduce_all(tf.stack([c[1] for c in checks]))
+    return ok, told
+
+
+def _training_independent(losses_fn, batch, swapped_batch, copies, mask, close, seed_states,
+                          variables):
+    """The training-mode half of :func:`independence_probe`, with the
+    gradient checks (fast clipping differentiates the training pass):
+    ``(ok, told)``."""
     saved = [tf.identity(state.value) for state in seed_states]
 
     def train_pass(rows):
@@ -246,12 +348,34 @@ def _training_independent(losses_fn, batch, swapped_batch, mask, close, seed_sta
         with tf.control_dependencies([losses] + [r for r in restore if r is not None]):
             return tf.identity(losses)
 
-    first, again, swapped = train_pass(batch), train_pass(batch), train_pass(swapped_batch)
+    first, grads = _pass_with_gradients(train_pass, batch, variables,
+                                        lambda l: [l[0], l[1], l[0] + l[1]])
+    done = [first] + [t for g in grads for t in g]
+    again = train_pass(_after(done, batch))
+    swapped = train_pass(_after([again], swapped_batch))
+    alone, alone_grads, done = [], [], [swapped]
+    for i, rows in enumerate(copies):
+        losses, copy_grads = _pass_with_gradients(train_pass, _after(done, rows), variables,
+                                                  lambda l, i=i: [l[i]])
+        alone.append(losses[i])
+        alone_grads += copy_grads
+        done = [losses] + [t for g in copy_grads for t in g]
+    alone = tf.stack(alone)
     finite = tf.math.is_finite(first) & tf.math.is_finite(again) & tf.math.is_finite(swapped)
     real = (tf.cast(mask, tf.float32) > 0) & finite
     others = real & (tf.range(tf.shape(real)[0]) > 0)
+    pair = real[:2] & tf.math.is_finite(alone)
     # Not reproducible: the comparison cannot tell, so the probe fails closed.
-    return close(first, again, real) & close(first, swapped, others)
+    ok = (close(first, again, real) & close(first, swapped, others)
+          & close(first[:2], alone, pair))
+    # Told only if rows were compared: a training pass that is non-finite on
+    # the probe's rows (finite on later batches) checked nothing.
+    told = tf.reduce_all(pair)
+    if variables:
+        grads_ok, grads_told = _gradients_independent(grads, alone_grads)
+        ok = ok & (grads_ok | ~(tf.reduce_all(pair) & grads_told))
+        told = told & grads_told
+    return ok, told
 
 
 def _passed_untold():
@@ -270,8 +394,9 @@ def seed_states(model):
     return states
 
 
-def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
-    """:func:`independence_probe` inside a traced step (a bool tensor).
+def examples_independent(model, losses_fn, batch, mask, rows=None, rtol=1e-4):
+    """:func:`independence_probe` inside a traced step (a bool tensor), on the
+    model's trainable variables and the first ``rows`` slots.
 
     Once a batch with two distinct real examples has passed, later steps skip
     the probe (the model's structure does not change; a compile resets it);
@@ -280,7 +405,8 @@ def examples_independent(model, losses_fn, batch, mask, rtol=1e-4):
     ledger = _ledger(model)
 
     def probe():
-        return independence_probe(losses_fn, batch, mask, rtol, seed_states(model))
+        return independence_probe(losses_fn, batch, mask, rtol, seed_states(model),
+                                  model.trainable_variables, rows)
 
     # Its passes must not write model variables either (fit's probe before the
     # step is checked the same way).

@@ -312,15 +312,25 @@ def _clipping_core(model):
 
 
 _MIXING_REFUSED = (
-    "keras_dp_lm refused the batch: one example's loss depends on other examples "
-    "of the batch (a layer or loss mixes examples: batch statistics, attention or "
-    "similarity across the batch axis), or the training pass draws randomness "
+    "keras_dp_lm refused the batch: one example's loss or gradient depends on other "
+    "examples of the batch (a layer or loss mixes examples: batch statistics, a "
+    "batch maximum, weights normalised over the batch, attention or similarity "
+    "across the batch axis, a straight-through estimator or custom gradient over "
+    "the batch), or the training pass draws randomness "
     "outside Keras's seed generators (tf.random.* in a layer's call), which the "
     "check cannot replay and which could hide such mixing. Fast clipping cannot "
     "bound such a model. Make each example's loss depend on that example alone "
     "and draw randomness with keras.random and a keras.random.SeedGenerator (as "
     "keras.layers.Dropout does), or compile the DP optimizer with "
     "clipping='exact' (each example differentiated alone).")
+
+
+def _micro_batch_rows(model, mask, examples_per_user=None):
+    """The rows of one micro-batch of ``mask``'s batch (the size the model is
+    trained at with gradient accumulation): the probe runs at that size."""
+    unit = (examples_per_user or 1) * model.optimizer.dp_accumulation_steps
+    units = (tf.shape(mask)[0] + unit - 1) // unit
+    return units * (examples_per_user or 1)
 
 
 def _probe_losses(model):
@@ -373,11 +383,13 @@ def _probe_batch(model, data, spec=None):
     probe = _PROBES.get(model)
     if probe is None:
         def run(batch):
-            x, y, sample_weight, mask, _, _ = _unpack(batch)
+            x, y, sample_weight, mask, _, per_user = _unpack(batch)
             # refused on the traced graph, before it runs, if it writes variables
             return refusals.without_state_updates(model, lambda: refusals.independence_probe(
                 _probe_losses(model), (x, y, sample_weight), mask,
-                seed_states=refusals.seed_states(model)))
+                seed_states=refusals.seed_states(model),
+                variables=model.trainable_variables,
+                rows=_micro_batch_rows(model, mask, per_user)))
         probe = _PROBES[model] = tf.function(run, reduce_retracing=True)
     if spec is not None:
         probe = probe.get_concrete_function(spec)
@@ -490,7 +502,8 @@ def dp_train_step(model, data):
         # fit / train_on_batch probe before the first step, in a call of its
         # own (_train_function_probing_first); other callers probe here.
         independent = refusals.examples_independent(
-            model, _probe_losses(model), (x, y, sample_weight), mask)
+            model, _probe_losses(model), (x, y, sample_weight), mask,
+            rows=_micro_batch_rows(model, mask, per_user))
     refuse_mixing = tf.debugging.Assert(independent, [_MIXING_REFUSED])
     with tf.control_dependencies([refuse_mixing]):
         result = _clipping_core(model)(model, (x, y, sample_weight), mask, True,
