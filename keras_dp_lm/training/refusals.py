@@ -189,8 +189,11 @@ def _gather_rows(structure, indices):
 # (~4e-3); a backward pass that is not linear in the upstream gradient (a
 # custom gradient normalised over the batch) is off by O(1).
 _LINEARITY_RTOL = 3e-2
-_TRAINING_ROWS = 8
+# One example's gradient in the batch and among copies of itself: the same
+# per-row arithmetic, so equal up to summation order.
 _ISOLATION_GRADIENT_RTOL = 1e-3
+# Rows of the probe's training passes (they differentiate and hold activations).
+_TRAINING_ROWS = 8
 
 
 def _norm(tensors):
