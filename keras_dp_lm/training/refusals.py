@@ -268,11 +268,15 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
         ok = tf.logical_or(same, tf.logical_not(both_real))
         # The training passes differentiate, and hold activations: on the
         # first rows only (SmolLM2-135M LoRA, batch 16: peak RSS 1.17x the
-        # non-private step at 16 rows, 1.10x at 8).
+        # non-private step at 16 rows, 1.10x at 8). A row with a non-finite
+        # loss is replaced by a copy of row 0 there: its NaN would make every
+        # gradient NaN (0 * NaN in the weight gradient).
         train_batch, train_mask = _probe_rows(batch, mask, _TRAINING_ROWS)
+        usable = (real & tf.math.is_finite(losses[0]))[:_TRAINING_ROWS]
+        keep = tf.where(usable, tf.range(tf.shape(usable)[0]), 0)
         train_ok, train_told = _training_independent(
-            losses_fn, train_batch, train_mask, close, seed_states,
-            [tf_variable(v) for v in variables])
+            losses_fn, _gather_rows(train_batch, keep), tf.gather(train_mask, keep), close,
+            seed_states, [tf_variable(v) for v in variables], compared=both_real)
         return ok & train_ok, distinct & train_told
 
     return tf.cond(tf.shape(mask)[0] >= 2, compare, _passed_untold)
@@ -343,10 +347,16 @@ _TRAINING_PASSES = (
 )
 
 
-def _training_independent(losses_fn, batch, mask, close, seed_states, variables):
+def _training_independent(losses_fn, batch, mask, close, seed_states, variables, compared):
     """The training-mode half of :func:`independence_probe`, with the
     gradient checks (fast clipping differentiates the training pass):
-    ``(ok, told)``."""
+    ``(ok, told)``.
+
+    ``compared``: examples 0 and 1 are real with finite inference losses. Then
+    their training losses and gradients must be finite too, or the probe
+    fails closed: a layer that is non-finite only in training on the probe's
+    rows (a batch whitening without epsilon on 8 rows) or a custom gradient
+    that is NaN on them would otherwise leave every batch unprobed."""
     saved = [tf.identity(state.value) for state in seed_states]
 
     def train_pass(rows):
@@ -373,18 +383,19 @@ def _training_independent(losses_fn, batch, mask, close, seed_states, variables)
     # Not reproducible: the comparison cannot tell, so the probe fails closed.
     ok = (close(first, again, real) & close(first, losses[2], real)
           & close(first, swapped_losses, others) & close(first[:2], alone, pair))
-    # Told only if rows were compared: a training pass that is non-finite on
-    # the probe's rows (finite on later batches) checked nothing.
-    told = tf.reduce_all(pair)
+    finite = tf.reduce_all(pair)
     if variables:
         _, diffs, scales = result
         tolerance = tf.constant([p[4] for p in _TRAINING_PASSES], tf.float32)
-        grads_ok = tf.reduce_all(tf.where(tolerance > 0,
-                                          diffs <= tolerance * scales + 1e-12, True))
-        grads_told = tf.reduce_all(tf.math.is_finite(diffs) & tf.math.is_finite(scales))
-        ok = ok & (grads_ok | ~(told & grads_told))
-        told = told & grads_told
-    return ok, told
+        ok = ok & tf.reduce_all(tf.where(tolerance > 0,
+                                         diffs <= tolerance * scales + 1e-12, True))
+        # the passes whose gradient is used (pass 3 differentiates zero)
+        used = tf.constant([p[2] >= 0 or p[4] > 0 for p in _TRAINING_PASSES])
+        finite = finite & tf.reduce_all(
+            tf.where(used, tf.math.is_finite(diffs) & tf.math.is_finite(scales), True))
+    # Compared examples must stay finite in training: else nothing was checked,
+    # and it would be so on every batch (fail closed).
+    return ok & (finite | ~compared), compared & finite
 
 
 def _passed_untold():
