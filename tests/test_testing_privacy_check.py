@@ -462,3 +462,21 @@ def test_under_bfloat16_every_unit_is_removed_so_a_leak_in_one_fails(bfloat16_po
     assert sampled.passed and sampled.refused is None, str(sampled)  # 5 not in 0, 10, 21, 31
     report = testing.check_privacy(model, (x, y))
     assert not report.passed and report.remove_one_ratio > 1.25, str(report)
+
+
+def test_integer_inputs_are_replaced_by_ids_the_batch_holds():
+    """Review finding: the replacement of an integer input drew ids up to
+    max(replaced rows) + 1 (at least 2), outside an Embedding of one row: the
+    check crashed in the lookup instead of checking the model."""
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((3,), dtype="int32")
+    shared = keras.layers.Embedding(1, 4)(ids)   # every id is 0
+    words = keras.layers.Embedding(5, 4)(keras.ops.zeros_like(ids))
+    outputs = keras.layers.Dense(2)(keras.ops.mean(shared + words, axis=1))
+    model = keras.Model(ids, outputs)
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=0.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.zeros((8, 3), "int32")
+    y = np.random.default_rng(0).integers(0, 2, 8)
+    report = testing.check_privacy(model, [(x, y)])
+    assert report.passed, str(report)

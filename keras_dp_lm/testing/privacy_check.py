@@ -180,13 +180,15 @@ def _naive(model, x, y, sample_weight, clip, k=1, real=None, keep=()):
     return np.asarray(norms), total, kept
 
 
-def _adversarial(rng, leaf, scale):
+def _adversarial(rng, leaf, scale, values):
+    """Replacement values for ``leaf``: large random floats; for integers (token
+    ids, labels), values drawn from ``values``, those the batch holds, so that
+    an id stays inside any vocabulary the batch fits."""
     leaf = np.asarray(leaf)
     if leaf.dtype.kind == "f":
         return (scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
     if leaf.dtype.kind in "iu":
-        high = max(int(leaf.max()) + 1, 2)
-        return rng.integers(0, high, leaf.shape).astype(leaf.dtype)
+        return rng.choice(np.unique(values), size=leaf.shape).astype(leaf.dtype)
     return leaf[::-1].copy()
 
 
@@ -198,7 +200,7 @@ def _replace(structure, rows, rng, scale):
         if t is None:
             return None
         t = np.array(t, copy=True)
-        t[rows] = _adversarial(rng, t[rows], scale)
+        t[rows] = _adversarial(rng, t[rows], scale, t)
         return t
     return tf.nest.map_structure(one, structure)
 
