@@ -196,6 +196,14 @@ _ISOLATION_GRADIENT_RTOL = 1e-3
 _TRAINING_ROWS = 8
 
 
+def _pass_rows(n):
+    """Index vectors ``[n]`` of the probe's batches: the batch, example 0
+    replaced by example 1, a batch of copies of example 0, of example 1."""
+    identity = tf.range(n)
+    return {"batch": identity, "swapped": tf.where(identity == 0, 1, identity),
+            "copies 0": tf.zeros_like(identity), "copies 1": tf.ones_like(identity)}
+
+
 def _norm(tensors):
     return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32)))
                              for t in tensors]))
@@ -221,8 +229,8 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
     * training mode, on the first 8 of those rows (its passes differentiate
       and hold activations), with the random ``seed_states`` (dropout's)
       restored before every pass so that each pass draws the same masks:
-      the same two comparisons of losses. This sees mixing that happens only in training
-      (a layer subtracting the batch mean when ``training=True``). Two passes
+      the same two comparisons of losses. This sees mixing that happens only
+      in training (a layer subtracting the batch mean when ``training=True``). Two passes
       on the same rows must agree: randomness outside Keras's seed
       generators (``tf.random.*`` in a layer's ``call``) cannot be replayed,
       would hide such mixing, and is refused too.
@@ -245,14 +253,10 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
         return tf.reduce_all(tf.where(real, tf.abs(b - a) <= tolerance, True))
 
     def compare():
-        n = tf.shape(mask)[0]
-        identity = tf.range(n)
-        swapped = tf.where(identity == 0, 1, identity)  # example 0 replaced by 1
-        copies = [tf.fill([n], 0), tf.fill([n], 1)]     # a batch of copies of 0 (1)
-
-        # inference: the batch, swapped, copies of 0, copies of 1
-        losses = _run_passes(lambda rows: losses_fn(rows, False), batch,
-                             tf.stack([identity, swapped] + copies))
+        rows = _pass_rows(tf.shape(mask)[0])
+        losses, _, _ = _run_passes(
+            lambda part: losses_fn(part, False), batch,
+            tf.stack([rows[name] for name in ("batch", "swapped", "copies 0", "copies 1")]))
         expected = tf.concat([losses[0, 1:2], losses[0, 1:]], axis=0)
         tolerance = rtol * (tf.abs(expected) + 1e-6)
         # Only real slots with finite losses are compared: a NaN / inf example
@@ -285,15 +289,16 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
 def _run_passes(forward, batch, indices, variables=(), plan=None):
     """Run ``forward`` on ``batch`` gathered at each row of ``indices`` ``[K, n]``,
     one pass after another in a ``tf.while_loop``: the model is traced once
-    (not K times: on SmolLM2-135M each traced copy of a pass costs ~200 MB)
+    (not K times: on SmolLM2-135M each traced copy of a pass cost ~250 MB of
+    peak memory)
     and one pass's activations are held at a time, as in a training step.
 
-    Returns the losses ``[K, n]`` (float32). With ``variables``, pass ``k``
-    also differentiates ``sum(weights[k] * losses)`` (``plan = (weights,
-    keep, refs)``), keeps that gradient as reference 0 or 1 when ``keep[k]``
-    is 0 or 1, and compares it with ``refs[k] . (reference 0, reference 1)``;
-    then returns ``(losses, diffs [K], scales [K])``: the norm of the
-    difference and the sum of the two sides' norms.
+    Returns ``(losses [K, n] float32, diffs, scales)``. With ``variables``,
+    pass ``k`` also differentiates ``sum(weights[k] * losses)`` (``plan =
+    (weights, keep, refs)``), keeps that gradient as reference 0 or 1 when
+    ``keep[k]`` is 0 or 1, and compares it with ``refs[k] . (reference 0,
+    reference 1)``: ``diffs [K]`` is the norm of the difference and ``scales
+    [K]`` the sum of the two sides' norms (both ``None`` without variables).
     """
     num = indices.shape[0]
     rows_of = lambda k: _gather_rows(batch, indices[k])  # noqa: E731
@@ -303,7 +308,7 @@ def _run_passes(forward, batch, indices, variables=(), plan=None):
             return k + 1, out.write(k, tf.cast(forward(rows_of(k)), tf.float32))
         _, losses_out = tf.while_loop(lambda k, _: k < num, body, (0, losses_out),
                                       parallel_iterations=1)
-        return losses_out.stack()
+        return losses_out.stack(), None, None
 
     weights, keep, refs = (tf.constant(part, tf.float32) for part in plan)
     zeros = [tf.zeros(v.shape, tf.float32) for v in variables]
@@ -366,13 +371,10 @@ def _training_independent(losses_fn, batch, mask, close, seed_states, variables,
         with tf.control_dependencies([losses] + [r for r in restore if r is not None]):
             return tf.identity(losses)
 
-    identity = tf.range(tf.shape(mask)[0])
-    rows = {"batch": identity, "swapped": tf.where(identity == 0, 1, identity),
-            "copies 0": tf.zeros_like(identity), "copies 1": tf.ones_like(identity)}
+    rows = _pass_rows(tf.shape(mask)[0])
     plan = [[p[i] for p in _TRAINING_PASSES] for i in (1, 2, 3)]
-    result = _run_passes(train_pass, batch, tf.stack([rows[p[0]] for p in _TRAINING_PASSES]),
-                         variables, plan)
-    losses = result[0] if variables else result
+    losses, diffs, scales = _run_passes(
+        train_pass, batch, tf.stack([rows[p[0]] for p in _TRAINING_PASSES]), variables, plan)
     first, again, swapped_losses = losses[0], losses[1], losses[3]
     alone = tf.stack([losses[4, 0], losses[5, 1]])
     finite = (tf.math.is_finite(first) & tf.math.is_finite(again)
@@ -385,7 +387,6 @@ def _training_independent(losses_fn, batch, mask, close, seed_states, variables,
           & close(first, swapped_losses, others) & close(first[:2], alone, pair))
     finite = tf.reduce_all(pair)
     if variables:
-        _, diffs, scales = result
         tolerance = tf.constant([p[4] for p in _TRAINING_PASSES], tf.float32)
         ok = ok & tf.reduce_all(tf.where(tolerance > 0,
                                          diffs <= tolerance * scales + 1e-12, True))
@@ -414,6 +415,13 @@ def seed_states(model):
     return states
 
 
+def model_probe(model, losses_fn, batch, mask, rows=None, rtol=1e-4):
+    """:func:`independence_probe` of ``model``: its seed states and trainable
+    variables."""
+    return independence_probe(losses_fn, batch, mask, rtol, seed_states(model),
+                              model.trainable_variables, rows)
+
+
 def examples_independent(model, losses_fn, batch, mask, rows=None, rtol=1e-4):
     """:func:`independence_probe` inside a traced step (a bool tensor), on the
     model's trainable variables and the first ``rows`` slots.
@@ -425,8 +433,7 @@ def examples_independent(model, losses_fn, batch, mask, rows=None, rtol=1e-4):
     ledger = _ledger(model)
 
     def probe():
-        return independence_probe(losses_fn, batch, mask, rtol, seed_states(model),
-                                  model.trainable_variables, rows)
+        return model_probe(model, losses_fn, batch, mask, rows, rtol)
 
     # Its passes must not write model variables either (fit's probe before the
     # step is checked the same way).

@@ -387,10 +387,8 @@ def _probe_batch(model, data, spec=None):
         def run(batch):
             x, y, sample_weight, mask, _, per_user = _unpack(batch)
             # refused on the traced graph, before it runs, if it writes variables
-            return refusals.without_state_updates(model, lambda: refusals.independence_probe(
-                _probe_losses(model), (x, y, sample_weight), mask,
-                seed_states=refusals.seed_states(model),
-                variables=model.trainable_variables,
+            return refusals.without_state_updates(model, lambda: refusals.model_probe(
+                model, _probe_losses(model), (x, y, sample_weight), mask,
                 rows=_micro_batch_rows(model, mask, per_user)))
         probe = _PROBES[model] = tf.function(run, reduce_retracing=True)
     if spec is not None:
