@@ -433,6 +433,21 @@ class _BatchRmsGradientWithoutEpsilon(keras.layers.Layer):
         return identity(x)
 
 
+class _SharedRowStraightThrough(keras.layers.Layer):
+    """A learned vector added to every row through a straight-through batch
+    mean: each example's total gradient is its own, but the row it reaches
+    is the batch's mean (fast clipping reads rows)."""
+
+    def build(self, input_shape):
+        self.shared = keras.layers.Embedding(1, input_shape[-1])
+        self.shared.build((None,))
+
+    def call(self, x):
+        shared = self.shared(keras.ops.zeros(keras.ops.shape(x)[:1], "int32"))
+        mean = keras.ops.mean(shared, axis=0, keepdims=True)
+        return x + shared + (mean - keras.ops.stop_gradient(mean))
+
+
 class _BatchMaxScale(keras.layers.Layer):
     """Scales by the batch's largest activation (max-abs / fake-quantisation range)."""
 
@@ -481,6 +496,7 @@ def _assert_mixing_refused_before_any_update(model, x, y):
                                       ("straight_through_batch_mean_in_training", False),
                                       ("custom_gradient_over_the_batch", False),
                                       ("custom_gradient_nan_on_the_probe", False),
+                                      ("straight_through_on_a_shared_row", False),
                                       ("batch_maximum_in_a_row_not_swapped", False),
                                       ("training_only_mixing_into_row_0", False)])
 def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, jit):
@@ -517,6 +533,12 @@ def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, j
         # Fourth review: NaN in one probe pass switched off the gradient checks;
         # the probe then told nothing on every batch and the model trained (6.6 C).
         model, loss = _between_dense(_BatchRmsGradientWithoutEpsilon()), "mse"
+    elif case == "straight_through_on_a_shared_row":
+        # Fifth review (N7): every gradient check passed (each example's total
+        # gradient is its own) and one example moved the sum by 9.0 C. The
+        # probe now compares fast clipping's own reading of examples 0 and 1
+        # with their true gradients.
+        model, loss = _between_dense(_SharedRowStraightThrough()), "mse"
     elif case == "batch_maximum_in_a_row_not_swapped":
         # The probe replaced row 0 only: a batch maximum held by another row
         # passed 7 times in 8 (3.8 C).
@@ -825,3 +847,36 @@ def test_loss_normalised_by_a_dynamic_padded_length_is_refused():
     with pytest.raises(ValueError, match="padded length"):
         model.fit(ds, epochs=1, verbose=0)
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(before, model.weights))
+
+
+class _TwiceDense(keras.layers.Dense):
+    """Computes 2 (x W + b): not what Dense computes."""
+
+    def call(self, inputs):
+        return 2.0 * super().call(inputs)
+
+
+def test_a_rule_registered_for_a_layer_it_does_not_describe_is_refused():
+    """The probe's engine check: fast clipping's gradient of example 0 must be
+    example 0's true gradient. A Dense rule declared for a layer that doubles
+    its output reads gradients of another function than the model's."""
+    from keras_dp_lm.clipping import registry
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), _TwiceDense(8, activation="tanh"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss="mse")
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype("float32")
+    y = np.zeros((6, 3), "float32")
+    kdp.clipping.register_clipping_rule(_TwiceDense, keras.layers.Dense)
+    try:
+        with pytest.raises(ValueError, match="register_clipping_rule"):
+            model.fit(x, y, batch_size=6, verbose=0)
+        assert kdp.ledger_of(model).updates == 0
+    finally:
+        registry._RULES_BY_CLASS.pop(_TwiceDense)
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
+                  loss="mse")
+    model.fit(x, y, batch_size=6, verbose=0)  # unregistered: exact gradients, trains
+    assert kdp.ledger_of(model).updates == 1

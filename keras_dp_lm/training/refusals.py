@@ -194,6 +194,11 @@ _LINEARITY_RTOL = 3e-2
 _ISOLATION_GRADIENT_RTOL = 1e-3
 # Rows of the probe's training passes (they differentiate and hold activations).
 _TRAINING_ROWS = 8
+# Fast clipping's per-example gradient against the true one: different
+# arithmetic (Gram matrices, per-layer sums), ~1e-6 apart in float32, up to
+# ~1e-2 when the layers compute in bfloat16 / float16.
+_ENGINE_RTOL_FLOAT32 = 1e-3
+_ENGINE_RTOL_LOW_PRECISION = 3e-2
 
 
 def _pass_rows(n):
@@ -210,7 +215,7 @@ def _norm(tensors):
 
 
 def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variables=(),
-                       rows=None):
+                       rows=None, engine=None, engine_rtol=_ENGINE_RTOL_FLOAT32):
     """``(ok, meaningful)``: whether each example's loss and gradient depend on
     that example alone, and whether the probe could tell.
 
@@ -241,6 +246,15 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
       only in the backward pass (straight-through estimators over batch
       statistics, custom gradients normalised over the batch), which fast
       clipping would read as each example's own gradient.
+    * the clipping ``engine`` itself (``engine(batch, mask, slot_mask) ->
+      ClippedSum``, the DP step's, run on those training rows): its gradient
+      of example 0 alone (``slot_mask`` selecting row 0, no clipping) must be
+      example 0's true gradient and its norms of examples 0 and 1 their true
+      gradients' norms, to ``engine_rtol``. This sees a backward pass that
+      mixes examples without changing any total gradient (a straight-through
+      estimator on a branch equal for every example), which fast clipping
+      reads row by row, and a clipping rule registered for a layer that it
+      does not describe.
 
     A test, not a proof: the README ("Fails closed") lists what it cannot see.
     """
@@ -254,7 +268,7 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
 
     def compare():
         rows = _pass_rows(tf.shape(mask)[0])
-        losses, _, _ = _run_passes(
+        losses = _run_passes(
             lambda part: losses_fn(part, False), batch,
             tf.stack([rows[name] for name in ("batch", "swapped", "copies 0", "copies 1")]))
         expected = tf.concat([losses[0, 1:2], losses[0, 1:]], axis=0)
@@ -280,7 +294,8 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
         keep = tf.where(usable, tf.range(tf.shape(usable)[0]), 0)
         train_ok, train_told = _training_independent(
             losses_fn, _gather_rows(train_batch, keep), tf.gather(train_mask, keep), close,
-            seed_states, [tf_variable(v) for v in variables], compared=both_real)
+            seed_states, [tf_variable(v) for v in variables], compared=both_real,
+            engine=engine, engine_rtol=engine_rtol)
         return ok & train_ok, distinct & train_told
 
     return tf.cond(tf.shape(mask)[0] >= 2, compare, _passed_untold)
@@ -293,12 +308,13 @@ def _run_passes(forward, batch, indices, variables=(), plan=None):
     peak memory)
     and one pass's activations are held at a time, as in a training step.
 
-    Returns ``(losses [K, n] float32, diffs, scales)``. With ``variables``,
-    pass ``k`` also differentiates ``sum(weights[k] * losses)`` (``plan =
+    Returns ``losses [K, n]`` (float32); with ``variables``, ``(losses, diffs,
+    scales, references)``: pass ``k`` also differentiates ``sum(weights[k] * losses)`` (``plan =
     (weights, keep, refs)``), keeps that gradient as reference 0 or 1 when
     ``keep[k]`` is 0 or 1, and compares it with ``refs[k] . (reference 0,
     reference 1)``: ``diffs [K]`` is the norm of the difference and ``scales
-    [K]`` the sum of the two sides' norms (both ``None`` without variables).
+    [K]`` the sum of the two sides' norms, ``references`` the kept gradients
+    ``(reference 0, reference 1)``.
     """
     num = indices.shape[0]
     rows_of = lambda k: _gather_rows(batch, indices[k])  # noqa: E731
@@ -308,7 +324,7 @@ def _run_passes(forward, batch, indices, variables=(), plan=None):
             return k + 1, out.write(k, tf.cast(forward(rows_of(k)), tf.float32))
         _, losses_out = tf.while_loop(lambda k, _: k < num, body, (0, losses_out),
                                       parallel_iterations=1)
-        return losses_out.stack(), None, None
+        return losses_out.stack()
 
     weights, keep, refs = (tf.constant(part, tf.float32) for part in plan)
     zeros = [tf.zeros(v.shape, tf.float32) for v in variables]
@@ -333,10 +349,10 @@ def _run_passes(forward, batch, indices, variables=(), plan=None):
         return (k + 1, out.write(k, losses), diffs.write(k, diff), scales.write(k, scale),
                 kept0, kept1)
 
-    _, losses_out, diffs, scales, _, _ = tf.while_loop(
+    _, losses_out, diffs, scales, kept0, kept1 = tf.while_loop(
         lambda k, *_: k < num, body, (0, losses_out, *stats, zeros, list(zeros)),
         parallel_iterations=1)
-    return losses_out.stack(), diffs.stack(), scales.stack()
+    return losses_out.stack(), diffs.stack(), scales.stack(), (kept0, kept1)
 
 
 # The probe's training passes: (rows, gradient weights of rows 0 and 1, keep
@@ -352,10 +368,11 @@ _TRAINING_PASSES = (
 )
 
 
-def _training_independent(losses_fn, batch, mask, close, seed_states, variables, compared):
+def _training_independent(losses_fn, batch, mask, close, seed_states, variables, compared,
+                          engine=None, engine_rtol=_ENGINE_RTOL_FLOAT32):
     """The training-mode half of :func:`independence_probe`, with the
-    gradient checks (fast clipping differentiates the training pass):
-    ``(ok, told)``.
+    gradient checks (fast clipping differentiates the training pass) and the
+    check of the clipping ``engine``: ``(ok, told)``.
 
     ``compared``: examples 0 and 1 are real with finite inference losses. Then
     their training losses and gradients must be finite too, or the probe
@@ -364,17 +381,26 @@ def _training_independent(losses_fn, batch, mask, close, seed_states, variables,
     that is NaN on them would otherwise leave every batch unprobed."""
     saved = [tf.identity(state.value) for state in seed_states]
 
-    def train_pass(rows):
-        losses = tf.cast(losses_fn(rows, True), tf.float32)
-        # the next pass draws the same dropout masks (and the probe none)
+    def replayed(run):
+        """``run()``, then the seed states as before it: the next pass draws
+        the same dropout masks (and the probe none)."""
+        result = run()
         restore = [state.assign(value) for state, value in zip(seed_states, saved)]
-        with tf.control_dependencies([losses] + [r for r in restore if r is not None]):
-            return tf.identity(losses)
+        with tf.control_dependencies(tf.nest.flatten(result)
+                                     + [r for r in restore if r is not None]):
+            return tf.nest.map_structure(tf.identity, result)
+
+    def train_pass(rows):
+        return replayed(lambda: tf.cast(losses_fn(rows, True), tf.float32))
 
     rows = _pass_rows(tf.shape(mask)[0])
     plan = [[p[i] for p in _TRAINING_PASSES] for i in (1, 2, 3)]
-    losses, diffs, scales = _run_passes(
-        train_pass, batch, tf.stack([rows[p[0]] for p in _TRAINING_PASSES]), variables, plan)
+    indices = tf.stack([rows[p[0]] for p in _TRAINING_PASSES])
+    if variables:
+        losses, diffs, scales, references = _run_passes(
+            train_pass, batch, indices, variables, plan)
+    else:
+        losses = _run_passes(train_pass, batch, indices)
     first, again, swapped_losses = losses[0], losses[1], losses[3]
     alone = tf.stack([losses[4, 0], losses[5, 1]])
     finite = (tf.math.is_finite(first) & tf.math.is_finite(again)
@@ -394,9 +420,33 @@ def _training_independent(losses_fn, batch, mask, close, seed_states, variables,
         used = tf.constant([p[2] >= 0 or p[4] > 0 for p in _TRAINING_PASSES])
         finite = finite & tf.reduce_all(
             tf.where(used, tf.math.is_finite(diffs) & tf.math.is_finite(scales), True))
+        if engine is not None:
+            mask = tf.cast(mask, tf.float32)
+            row_0 = tf.cast(tf.range(tf.shape(mask)[0]) == 0, tf.float32) * mask
+            engine_ok, engine_finite = _engine_agrees(
+                replayed(lambda: engine(batch, mask, row_0)), references, engine_rtol)
+            # its references are examples 0 and 1: compared only when they are real
+            ok, finite = ok & (engine_ok | ~compared), finite & engine_finite
     # Compared examples must stay finite in training: else nothing was checked,
     # and it would be so on every batch (fail closed).
     return ok & (finite | ~compared), compared & finite
+
+
+def _engine_agrees(result, references, rtol):
+    """``(ok, finite)``: the clipping engine's ``result`` (``ClippedSum`` with
+    only row 0 summed, unclipped) reads examples 0 and 1 as their true
+    gradients ``references`` do: row 0's gradient, both rows' norms."""
+    grads = [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in result.grads]
+    true_0, true_1 = references
+    diff = _norm([g - r for g, r in zip(grads, true_0)])
+    scale = _norm(grads) + _norm(true_0)
+    norms = tf.cast(result.norms[:2], tf.float32)
+    true_norms = tf.stack([_norm(true_0), _norm(true_1)])
+    ok = (diff <= rtol * scale + 1e-12) & tf.reduce_all(
+        tf.abs(norms - true_norms) <= rtol * (norms + true_norms) + 1e-12)
+    finite = (tf.math.is_finite(diff) & tf.math.is_finite(scale)
+              & tf.reduce_all(tf.math.is_finite(norms)))
+    return ok, finite
 
 
 def _passed_untold():
@@ -415,14 +465,23 @@ def seed_states(model):
     return states
 
 
-def model_probe(model, losses_fn, batch, mask, rows=None, rtol=1e-4):
+def engine_rtol(model):
+    """The tolerance of the probe's engine check: float32 layers, or not."""
+    low = any(getattr(layer, "compute_dtype", "float32") not in ("float32", "float64")
+              for layer in internals.flatten_layers(model, include_self=True))
+    return _ENGINE_RTOL_LOW_PRECISION if low else _ENGINE_RTOL_FLOAT32
+
+
+def model_probe(model, losses_fn, batch, mask, rows=None, rtol=1e-4, engine=None):
     """:func:`independence_probe` of ``model``: its seed states and trainable
-    variables."""
+    variables (and ``engine``, the DP step's clipping, at the tolerance of the
+    model's compute dtypes)."""
     return independence_probe(losses_fn, batch, mask, rtol, seed_states(model),
-                              model.trainable_variables, rows)
+                              model.trainable_variables, rows, engine, engine_rtol(model))
 
 
-def examples_independent(model, losses_fn, batch, mask, rows=None, rtol=1e-4):
+def examples_independent(model, losses_fn, batch, mask, rows=None, rtol=1e-4,
+                         engine=None):
     """:func:`independence_probe` inside a traced step (a bool tensor), on the
     model's trainable variables and the first ``rows`` slots.
 
@@ -433,7 +492,7 @@ def examples_independent(model, losses_fn, batch, mask, rows=None, rtol=1e-4):
     ledger = _ledger(model)
 
     def probe():
-        return model_probe(model, losses_fn, batch, mask, rows, rtol)
+        return model_probe(model, losses_fn, batch, mask, rows, rtol, engine)
 
     # Its passes must not write model variables either (fit's probe before the
     # step is checked the same way).

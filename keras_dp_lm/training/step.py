@@ -235,10 +235,10 @@ def dp_clipped_gradient(model, data, update_metrics=False):
                                  per_user or 1)
 
 
-def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
-    optimizer = model.optimizer
+def _step_losses(model, examples_per_user=1):
+    """The DP step's ``loss_fn(((x, y, sample_weight), weights)) -> (losses,
+    outputs)``: per-example losses of a training-mode pass, 0 on padding."""
     k = examples_per_user
-    weights = _loss_weights(mask, k)
 
     def loss_fn(part):
         (px, py, psw), pweight = part
@@ -247,6 +247,31 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
         if k > 1:
             losses = losses * tf.cast(pweight, losses.dtype)
         return tf.where(pweight > 0, losses, tf.zeros_like(losses)), outputs
+    return loss_fn
+
+
+def _probe_engine(model):
+    """The DP step's clipping engine as the independence probe checks it:
+    ``(batch, mask, slot_mask) -> ClippedSum``: the step's losses on the real
+    rows of ``mask``, unclipped, summed over the rows of ``slot_mask`` only."""
+    loss_fn = _step_losses(model)
+
+    def engine(batch, mask, slot_mask):
+        return clipping_module.clipped_sum(
+            model, loss_fn, (batch, mask), _UNCLIPPED, method=model.optimizer.clipping,
+            slot_mask=slot_mask)
+    return engine
+
+
+# A clip norm no gradient reaches: clip factor 1 (the probe's engine check).
+_UNCLIPPED = 1e30
+
+
+def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
+    optimizer = model.optimizer
+    k = examples_per_user
+    weights = _loss_weights(mask, k)
+    loss_fn = _step_losses(model, k)
 
     def micro_clipped_sum(part):
         result = clipping_module.clipped_sum(
@@ -320,11 +345,15 @@ _MIXING_REFUSED = (
     "the check compares (a layer dividing by a batch statistic without an "
     "epsilon), or the training pass draws randomness "
     "outside Keras's seed generators (tf.random.* in a layer's call), which the "
-    "check cannot replay and which could hide such mixing. Fast clipping cannot "
-    "bound such a model. Make each example's loss depend on that example alone "
-    "and draw randomness with keras.random and a keras.random.SeedGenerator (as "
-    "keras.layers.Dropout does), or compile the DP optimizer with "
-    "clipping='exact' (each example differentiated alone).")
+    "check cannot replay and which could hide such mixing, or fast clipping's own "
+    "per-example gradient of an example is not that example's gradient (a backward "
+    "pass that moves gradient between examples, or a clipping rule registered with "
+    "register_clipping_rule for a layer whose call it does not describe). Fast "
+    "clipping cannot bound such a model. Make each example's loss depend on that "
+    "example alone, draw randomness with keras.random and a "
+    "keras.random.SeedGenerator (as keras.layers.Dropout does), register rules only "
+    "for layers that compute what the rule's layer computes, or compile the DP "
+    "optimizer with clipping='exact' (each example differentiated alone).")
 
 
 def _micro_batch_rows(model, mask, examples_per_user=None):
@@ -389,7 +418,7 @@ def _probe_batch(model, data, spec=None):
             # refused on the traced graph, before it runs, if it writes variables
             return refusals.without_state_updates(model, lambda: refusals.model_probe(
                 model, _probe_losses(model), (x, y, sample_weight), mask,
-                rows=_micro_batch_rows(model, mask, per_user)))
+                rows=_micro_batch_rows(model, mask, per_user), engine=_probe_engine(model)))
         probe = _PROBES[model] = tf.function(run, reduce_retracing=True)
     if spec is not None:
         probe = probe.get_concrete_function(spec)
@@ -503,7 +532,7 @@ def dp_train_step(model, data):
         # own (_train_function_probing_first); other callers probe here.
         independent = refusals.examples_independent(
             model, _probe_losses(model), (x, y, sample_weight), mask,
-            rows=_micro_batch_rows(model, mask, per_user))
+            rows=_micro_batch_rows(model, mask, per_user), engine=_probe_engine(model))
     refuse_mixing = tf.debugging.Assert(independent, [_MIXING_REFUSED])
     with tf.control_dependencies([refuse_mixing]):
         result = _clipping_core(model)(model, (x, y, sample_weight), mask, True,
