@@ -117,12 +117,15 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
             unchanged on users). ``B`` must be a multiple of ``k``.
 
     Returns:
-        :class:`ClippedSum` ``(grads, norms, losses, outputs)``: ``grads``
+        :class:`ClippedSum` ``(grads, norms, losses, outputs, fast_norms,
+        exact)``: ``grads``
         aligned with ``model.trainable_variables`` (clipped sum, no noise, not
         divided; zeros for variables the loss does not touch), ``norms``
         ``[B/k]`` per-user (per-example when ``k == 1``) global norms before
         clipping, ``losses`` ``[B]`` per example,
-        ``outputs`` as described under ``loss_fn`` (else ``None``).
+        ``outputs`` as described under ``loss_fn`` (else ``None``),
+        ``fast_norms`` the part of ``norms`` over the variables read by fast
+        rules, ``exact`` which variables fell back to exact gradients.
 
     Raises:
         UncoveredLayersError: with ``method="fast"``, listing the layers and
@@ -205,6 +208,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         if keep:
             per_example[key] = per
 
+    fast_sq = sq
     if exact:
         pe = per_example_gradients(loss_fn, data, exact, B)
         for v, g in zip(exact, pe):
@@ -250,4 +254,6 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
                                 for r in [reasons.get(id(v))] if r}
     except TypeError:  # pragma: no cover
         pass
-    return ClippedSum(grads=grads, norms=norms, losses=losses, outputs=outputs)
+    return ClippedSum(grads=grads, norms=norms, losses=losses, outputs=outputs,
+                      fast_norms=tf.sqrt(fast_sq),
+                      exact=tuple(id(v) in exact_ids for v in plan.trainable))

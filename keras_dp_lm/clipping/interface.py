@@ -14,13 +14,18 @@ import os
 import tensorflow as tf
 
 ClippedSum = collections.namedtuple(
-    "ClippedSum", ["grads", "norms", "losses", "outputs"], defaults=(None,))
+    "ClippedSum", ["grads", "norms", "losses", "outputs", "fast_norms", "exact"],
+    defaults=(None, None, None))
 ClippedSum.__doc__ = """Result of per-example clipping.
 
 grads: list aligned with the variables: sum_i clip(g_i) (no noise, not divided).
 norms: [B] per-example gradient L2 norms before clipping.
 losses: [B] per-example losses.
 outputs: model outputs of a batched forward pass, or None when none was made.
+fast_norms: [B] the part of ``norms`` over the variables fast rules read (None
+    from the exact engine).
+exact: bools aligned with the variables, True where the engine took exact
+    per-example gradients (None from the exact engine).
 """
 
 
