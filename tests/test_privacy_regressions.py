@@ -467,6 +467,36 @@ class _RotateRowsByOthers(keras.layers.Layer):
         return identity(z)
 
 
+class _PairReflection(keras.layers.Layer):
+    """Forward: the identity on 2 features. Backward: in each pair of rows
+    (0, 1), (2, 3), ... the upstream gradients are reflected about their sum's
+    direction: each pair's sum and each row's norm are kept."""
+
+    def call(self, z):
+        @tf.custom_gradient
+        def identity(t):
+            def grad(upstream):
+                n = tf.shape(upstream)[0]
+                pairs = tf.reshape(tf.pad(upstream, [[0, n % 2], [0, 0]]), [-1, 2, 2])
+                total = tf.reduce_sum(pairs, axis=1, keepdims=True)
+                unit = total / (tf.norm(total, axis=-1, keepdims=True) + 1e-30)
+                along = tf.reduce_sum(pairs * unit, axis=-1, keepdims=True) * unit
+                return tf.reshape(2.0 * along - pairs, [-1, 2])[:n]
+            return tf.identity(t), grad
+        return identity(z)
+
+
+class _SharedRow(keras.layers.Layer):
+    """A learned 2-vector, the same for every row (an Embedding at index 0)."""
+
+    def build(self, input_shape):
+        self.shared = keras.layers.Embedding(1, 2)
+        self.shared.build((None,))
+
+    def call(self, x):
+        return self.shared(keras.ops.zeros(keras.ops.shape(x)[:1], "int32"))
+
+
 class _BatchMaxScale(keras.layers.Layer):
     """Scales by the batch's largest activation (max-abs / fake-quantisation range)."""
 
@@ -517,6 +547,7 @@ def _assert_mixing_refused_before_any_update(model, x, y):
                                       ("custom_gradient_nan_on_the_probe", False),
                                       ("straight_through_on_a_shared_row", False),
                                       ("row_1_gradient_rotated_by_other_rows", False),
+                                      ("pair_reflection_on_a_shared_row", False),
                                       ("batch_maximum_in_a_row_not_swapped", False),
                                       ("training_only_mixing_into_row_0", False)])
 def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, jit):
@@ -565,6 +596,16 @@ def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, j
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2),
                                   _RotateRowsByOthers(), keras.layers.Activation("tanh"),
                                   keras.layers.Dense(3)])
+        loss = "mse"
+    elif case == "pair_reflection_on_a_shared_row":
+        # Second review of the engine check: the sum of examples 0 and 1 and
+        # their norms are kept, so an unclipped sum saw nothing (1.49 C); the
+        # check now clips them with different factors, as the step does.
+        inputs = keras.Input((4,))
+        mixed = keras.layers.Add()([keras.layers.Dense(2)(inputs),
+                                    _PairReflection()(_SharedRow()(inputs))])
+        model = keras.Model(inputs, keras.layers.Dense(3)(
+            keras.layers.Activation("tanh")(mixed)))
         loss = "mse"
     elif case == "batch_maximum_in_a_row_not_swapped":
         # The probe replaced row 0 only: a batch maximum held by another row

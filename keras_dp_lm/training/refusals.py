@@ -30,6 +30,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp_lm.clipping.exact import tf_variable
+from keras_dp_lm.clipping.interface import clip_factors
 from keras_dp_lm.training import keras_internals as internals
 
 _MIXING_LAYERS = tuple(getattr(keras.layers, name) for name in ("MixUp", "CutMix")
@@ -250,12 +251,13 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
       only in the backward pass (straight-through estimators over batch
       statistics, custom gradients normalised over the batch), which fast
       clipping would read as each example's own gradient.
-    * the clipping ``engine`` itself (``engine(batch, mask, slot_mask) ->
-      ClippedSum``, the DP step's, run on the first 4 of those rows): its sum
-      of the gradients of examples 0 and 1 (``slot_mask`` selecting them, no
-      clipping) must be the sum of their true gradients and its norms of
-      each their true gradients' norms, over the variables its fast rules
-      read, to ``engine_rtol``. This sees a backward pass that
+    * the clipping ``engine`` itself (``engine(batch, mask, slot_mask,
+      l2_norm_clip) -> ClippedSum``, the DP step's, run on the first 4 of
+      those rows): its clipped sum of examples 0 and 1 (``slot_mask``
+      selecting them, clipped at the smaller of their true norms, so their
+      factors differ) must be the same combination of their true gradients,
+      and its norms of each their true gradients' norms, over the variables
+      its fast rules read, to ``engine_rtol``. This sees a backward pass that
       mixes examples without changing any total gradient (a straight-through
       estimator on a branch equal for every example), which fast clipping
       reads row by row, and a clipping rule registered for a layer that it
@@ -429,8 +431,14 @@ def _training_independent(losses_fn, batch, mask, close, seed_states, variables,
         if engine is not None:
             part, part_mask = _probe_rows(batch, tf.cast(mask, tf.float32), _ENGINE_ROWS)
             rows_01 = tf.cast(tf.range(tf.shape(part_mask)[0]) < 2, tf.float32) * part_mask
+            # Clipped at the smaller of the two true norms: the two examples are
+            # summed with different factors, as the step sums them (a backward
+            # pass that exchanges gradient between them keeping their sum and
+            # norms shows only then).
+            clip = tf.maximum(tf.minimum(_norm(references[0]), _norm(references[1])), 1e-30)
             engine_ok, engine_finite = _engine_agrees(
-                replayed(lambda: engine(part, part_mask, rows_01)), references, engine_rtol)
+                replayed(lambda: engine(part, part_mask, rows_01, clip)), references,
+                engine_rtol, clip)
             # its references are examples 0 and 1: compared only when they are real
             ok, finite = ok & (engine_ok | ~compared), finite & engine_finite
     # Compared examples must stay finite in training: else nothing was checked,
@@ -438,20 +446,23 @@ def _training_independent(losses_fn, batch, mask, close, seed_states, variables,
     return ok & (finite | ~compared), compared & finite
 
 
-def _engine_agrees(result, references, rtol):
+def _engine_agrees(result, references, rtol, clip):
     """``(ok, finite)``: the clipping engine's ``result`` (``ClippedSum`` of
-    rows 0 and 1 only, unclipped) reads examples 0 and 1 as their true
-    gradients ``references`` do: the sum of their gradients, and each one's
-    norm, over the variables fast rules read (the exact fallback draws its
-    own dropout masks, one example at a time: not comparable, and exact)."""
+    rows 0 and 1 only, clipped at ``clip``) reads examples 0 and 1 as their
+    true gradients ``references`` do: their sum with the engine's own clip
+    factors, and each one's norm, over the variables fast rules read (the
+    exact fallback draws its own dropout masks, one example at a time: not
+    comparable, and exact)."""
     fast = [i for i, exact in enumerate(result.exact) if not exact]
     if not fast:
         return tf.constant(True), tf.constant(True)
     pick = lambda tensors: [tf.cast(tf.convert_to_tensor(tensors[i]), tf.float32)  # noqa: E731
                             for i in fast]
     grads, true_0, true_1 = pick(result.grads), pick(references[0]), pick(references[1])
-    diff = _norm([g - a - b for g, a, b in zip(grads, true_0, true_1)])
-    scale = _norm(grads) + _norm(true_0) + _norm(true_1)
+    factors = clip_factors(result.norms[:2], clip)
+    diff = _norm([g - factors[0] * a - factors[1] * b
+                  for g, a, b in zip(grads, true_0, true_1)])
+    scale = _norm(grads) + factors[0] * _norm(true_0) + factors[1] * _norm(true_1)
     norms = tf.cast(result.fast_norms[:2], tf.float32)
     true_norms = tf.stack([_norm(true_0), _norm(true_1)])
     ok = (diff <= rtol * scale + 1e-12) & tf.reduce_all(

@@ -252,19 +252,16 @@ def _step_losses(model, examples_per_user=1):
 
 def _probe_engine(model):
     """The DP step's clipping engine as the independence probe checks it:
-    ``(batch, mask, slot_mask) -> ClippedSum``: the step's losses on the real
-    rows of ``mask``, unclipped, summed over the rows of ``slot_mask`` only."""
+    ``(batch, mask, slot_mask, l2_norm_clip) -> ClippedSum``: the step's losses
+    on the real rows of ``mask``, clipped at ``l2_norm_clip`` and summed over the
+    rows of ``slot_mask`` only."""
     loss_fn = _step_losses(model)
 
-    def engine(batch, mask, slot_mask):
+    def engine(batch, mask, slot_mask, l2_norm_clip):
         return clipping_module.clipped_sum(
-            model, loss_fn, (batch, mask), _UNCLIPPED, method=model.optimizer.clipping,
+            model, loss_fn, (batch, mask), l2_norm_clip, method=model.optimizer.clipping,
             slot_mask=slot_mask)
     return engine
-
-
-# A clip norm no gradient reaches: clip factor 1 (the probe's engine check).
-_UNCLIPPED = 1e30
 
 
 def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
