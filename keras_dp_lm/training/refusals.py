@@ -199,11 +199,11 @@ _TRAINING_ROWS = 8
 # arithmetic (Gram matrices, per-layer sums), ~1e-6 apart in float32, up to
 # ~1e-2 when the layers compute in bfloat16 / float16.
 _ENGINE_RTOL_FLOAT32 = 1e-3
-# Rows the engine check runs on: its pass records every covered layer's
-# input and output gradient on top of the activations (SmolLM2-135M LoRA:
-# peak RSS 1.16x the non-private step at 8 rows).
-_ENGINE_ROWS = 4
 _ENGINE_RTOL_LOW_PRECISION = 3e-2
+# Rows the engine check runs on: its pass records every covered layer's
+# input and output gradient on top of the activations (SmolLM2-135M LoRA,
+# batch 16: +50 MB of peak RSS at 8 rows, none measurable at 4).
+_ENGINE_ROWS = 4
 
 
 def _pass_rows(n):
@@ -292,8 +292,8 @@ def independence_probe(losses_fn, batch, mask, rtol=1e-4, seed_states=(), variab
         distinct = both_real & (tf.abs(losses[0, 0] - losses[0, 1]) > tolerance[0])
         ok = tf.logical_or(same, tf.logical_not(both_real))
         # The training passes differentiate, and hold activations: on the
-        # first rows only (SmolLM2-135M LoRA, batch 16: peak RSS 1.17x the
-        # non-private step at 16 rows, 1.10x at 8). A row with a non-finite
+        # first rows only (SmolLM2-135M LoRA, batch 16: ~260 MB less peak RSS
+        # at 8 rows than at all 16). A row with a non-finite
         # loss is replaced by a copy of row 0 there: its NaN would make every
         # gradient NaN (0 * NaN in the weight gradient).
         train_batch, train_mask = _probe_rows(batch, mask, _TRAINING_ROWS)
@@ -316,12 +316,12 @@ def _run_passes(forward, batch, indices, variables=(), plan=None):
     and one pass's activations are held at a time, as in a training step.
 
     Returns ``losses [K, n]`` (float32); with ``variables``, ``(losses, diffs,
-    scales, references)``: pass ``k`` also differentiates ``sum(weights[k] * losses)`` (``plan =
-    (weights, keep, refs)``), keeps that gradient as reference 0 or 1 when
-    ``keep[k]`` is 0 or 1, and compares it with ``refs[k] . (reference 0,
-    reference 1)``: ``diffs [K]`` is the norm of the difference and ``scales
-    [K]`` the sum of the two sides' norms, ``references`` the kept gradients
-    ``(reference 0, reference 1)``.
+    scales, references)``: pass ``k`` also differentiates ``sum(weights[k] *
+    losses)`` (``plan = (weights, keep, refs)``), keeps that gradient as
+    reference 0 or 1 when ``keep[k]`` is 0 or 1, and compares it with
+    ``refs[k] . (reference 0, reference 1)``: ``diffs [K]`` is the norm of the
+    difference, ``scales [K]`` the sum of the two sides' norms and
+    ``references`` the kept gradients ``(reference 0, reference 1)``.
     """
     num = indices.shape[0]
     rows_of = lambda k: _gather_rows(batch, indices[k])  # noqa: E731
