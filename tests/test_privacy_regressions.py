@@ -985,6 +985,38 @@ def test_uncovered_layers_with_dropout_train_with_fast_clipping(uncovered):
     assert kdp.ledger_of(model).updates == 2
 
 
+class DropoutModelWithoutTrainingArgument(keras.Model):
+    """A subclassed model whose ``call`` takes no ``training``: Keras's ``fit``
+    calls it as ``model(x)``, so its dropout is inactive in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.dropout = keras.layers.Dropout(0.3)
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.dropout(self.hidden(x)))
+
+
+def test_a_model_whose_call_takes_no_training_argument_trains_with_fast_clipping():
+    """Found this round: the probe's reference gradients called the model with
+    ``training=True`` (dropout active) while the step, as Keras's ``fit``, calls
+    a ``call(self, x)`` model as ``model(x)`` (dropout inactive), so the engine
+    check compared two different passes and refused every such model. The
+    probe now calls the model as the step does."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.integers(0, 3, 16)
+    model = DropoutModelWithoutTrainingArgument()
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert set(kdp.clipping.clipping_coverage(model).values()) != {"exact"}
+    assert kdp.ledger_of(model).updates == 2
+
+
 def test_the_engine_check_is_loose_only_for_low_precision_layers():
     """Review finding: an integer layer (a tokenizer, Hashing) counted as low
     precision and loosened the check to 3e-2 for a float32 model, letting a

@@ -58,9 +58,12 @@ mask: ``[B]`` float32, 1 for real examples and 0 for padding slots (in a user
 """
 
 
-def _model_outputs(model, x):
+def _model_outputs(model, x, training=True):
+    """The model's outputs as Keras's own train (``training=True``) and test
+    steps compute them: ``training`` is passed only when ``call`` takes it
+    (a subclassed ``call(self, x)`` runs its dropout as Keras's ``fit`` does)."""
     if internals.call_has_training_arg(model):
-        return model(x, training=True)
+        return model(x, training=training)
     return model(x)
 
 
@@ -362,10 +365,11 @@ def _micro_batch_rows(model, mask, examples_per_user=None):
 
 
 def _probe_losses(model):
-    """``(part, training) -> [B]`` per-example losses (the probe's passes)."""
+    """``(part, training) -> [B]`` per-example losses (the probe's passes): the
+    model called as the step calls it (:func:`_model_outputs`)."""
     def losses(part, training):
         px, py, psw = part
-        return per_example_losses(model, px, py, model(px, training=training), psw)
+        return per_example_losses(model, px, py, _model_outputs(model, px, training), psw)
     return losses
 
 
