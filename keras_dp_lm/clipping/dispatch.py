@@ -5,6 +5,7 @@ import tensorflow as tf
 from keras_dp_lm.clipping.exact import exact_clipped_sum
 from keras_dp_lm.clipping.fast import fast_clipped_sum
 from keras_dp_lm.clipping.interface import losses_and_outputs
+from keras_dp_lm.clipping.interface import sum_dtype
 
 
 def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None,
@@ -28,7 +29,8 @@ def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=Non
             ``norms`` is then ``[B/k]``.
 
     Returns:
-        :class:`ClippedSum` with ``grads`` in the variables' dtypes.
+        :class:`ClippedSum` with ``grads`` in the variables' dtypes (float32 for
+        16-bit variables: the optimizer adds the noise before any rounding).
 
     Example:
         >>> import keras, numpy as np
@@ -53,5 +55,6 @@ def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=Non
                                   slot_mask=slot_mask, examples_per_user=examples_per_user)
     else:
         raise ValueError(f"method must be 'auto', 'fast' or 'exact', got {method!r}.")
-    grads = [tf.cast(g, v.dtype) for g, v in zip(result.grads, model.trainable_variables)]
+    grads = [tf.cast(g, sum_dtype(v))
+             for g, v in zip(result.grads, model.trainable_variables)]
     return result._replace(grads=grads)

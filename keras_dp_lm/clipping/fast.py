@@ -80,6 +80,7 @@ from keras_dp_lm.clipping.interface import check_examples_per_user
 from keras_dp_lm.clipping.interface import clip_factors
 from keras_dp_lm.clipping.interface import losses_and_outputs
 from keras_dp_lm.clipping.interface import scale_examples
+from keras_dp_lm.clipping.interface import sum_dtype
 from keras_dp_lm.clipping.interface import sum_user_rows
 from keras_dp_lm.clipping.interface import user_slot_mask
 from keras_dp_lm.clipping.recording import _Plan
@@ -231,15 +232,15 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
                     g = tf.reduce_sum(scale_examples(per, factors), axis=0)
                 else:
                     g = _weighted_sum(factors, per)
-                grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
+                grads.append(tf.cast(g, sum_dtype(v)))
             elif id(v) in by_var:
                 g = None
                 for c in by_var[id(v)]:
                     part = c.clipped(factors, safe)
                     g = part if g is None else g + part
-                grads.append(tf.cast(g, tf.as_dtype(v.dtype)))
+                grads.append(tf.cast(g, sum_dtype(v)))
             else:
-                grads.append(tf.zeros(v.shape, tf.as_dtype(v.dtype)))
+                grads.append(tf.zeros(v.shape, sum_dtype(v)))
         return grads
 
     # Every norm finite (the usual case) means every recorded factor is finite

@@ -82,6 +82,22 @@ def clip_factors(norms, l2_norm_clip, slot_mask=None):
     return factors
 
 
+def sum_dtype(variable):
+    """The dtype a clipped sum of ``variable``'s gradients is kept in: float32
+    for 16-bit floating variables (a sum rounded to bfloat16 before the noise
+    moves with one example by more than the clip norm, and bfloat16 noise takes
+    a few thousand values), else the variable's own dtype.
+
+    Example:
+        >>> import keras
+        >>> from keras_dp_lm.clipping.interface import sum_dtype
+        >>> sum_dtype(keras.Variable(1.0, dtype="bfloat16")).name
+        'float32'
+    """
+    dtype = tf.as_dtype(variable.dtype)
+    return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
+
+
 def scale_examples(per_example, factors):
     """``factors[i] * per_example[i]`` (float32), exactly 0 where ``factors[i] == 0``.
 

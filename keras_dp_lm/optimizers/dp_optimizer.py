@@ -27,6 +27,8 @@ import threading
 import keras
 import tensorflow as tf
 
+from keras_dp_lm.clipping.interface import sum_dtype
+
 CLIPPING_METHODS = ("auto", "fast", "exact")
 _KERAS_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
 # Base-optimizer arguments a wrapper does not take (set them on the inner one).
@@ -277,7 +279,19 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "DP gradients must be applied in a replica context (inside "
                 "strategy.run or fit), not in cross-replica context.")
         replica_id, num_replicas = ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync
-        grads = [tf.convert_to_tensor(g) for g in clipped_sum]
+        trainable_variables = list(trainable_variables)
+        low = [v.path for v in trainable_variables if sum_dtype(v) != tf.as_dtype(v.dtype)]
+        if low and num_replicas > 1:
+            raise ValueError(
+                "keras_dp_lm does not train 16-bit variables under a multi-replica "
+                "strategy: each replica's noised sum would be rounded to the variables' "
+                f"dtype before the cross-replica sum (e.g. {low[0]}). Use the "
+                "'mixed_bfloat16' policy (float32 variables, bfloat16 compute).")
+        # Noise is added to a float32 sum and drawn in float32: a sum rounded to
+        # bfloat16 before the noise moves with one example by more than C, and
+        # bfloat16 noise takes a few thousand values. The update is rounded to
+        # the variables' dtype only after the noise (post-processing).
+        grads = [tf.cast(g, sum_dtype(v)) for g, v in zip(clipped_sum, trainable_variables)]
         if self.noise_multiplier > 0:
             grads = [g + n for g, n in zip(grads, self._noise_like(
                 grads, replica_id, num_replicas))]
@@ -290,8 +304,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         grads = [g / tf.cast(divisor, g.dtype) for g in grads]
         if public_gradients is not None:
             # Keras sums across replicas: each contributes 1/R of the term.
-            grads = [g if p is None else g + p / num_replicas
+            grads = [g if p is None else g + tf.cast(p, g.dtype) / num_replicas
                      for g, p in zip(grads, public_gradients)]
+        grads = [tf.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)]
         with self._dp_apply_scope():
             self.apply_gradients(zip(grads, trainable_variables))
         self.dp_updates.assign_add(1)
