@@ -43,10 +43,11 @@ def test_helper_is_pld_accountant():
     assert dp_accounting_epsilon([(0.8, B / N, 3), (1.0, B / N, 5)]) == acc.get_epsilon(DELTA)
 
 
-def make_model(noise=1.0, spe=1, accumulation=1):
+def make_model(noise=1.0, spe=1, accumulation=1, expected_batch_size=None):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer=kdp.DPSGD(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=noise,
-                                      gradient_accumulation_steps=accumulation, seed=0),
+                                      gradient_accumulation_steps=accumulation, seed=0,
+                                      expected_batch_size=expected_batch_size),
                   steps_per_execution=spe,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -152,3 +153,57 @@ def test_batch_epsilon_bounds_a_run_whose_first_batch_is_small():
         history = model.fit(ds, epochs=2, verbose=0, callbacks=[
             accountant, keras.callbacks.LambdaCallback(on_train_batch_end=record)])
     check_batch_epsilons(history, seen)
+
+
+def test_fixed_size_updates_keep_the_rate_they_were_accounted_at():
+    """Review finding: fixed-size updates were recorded with q = 0 and priced at
+    batch / dataset_size of whichever accountant read the ledger, so continuing
+    on a larger dataset repriced the first run's 100 updates (12.53 reported as
+    0.26). They now keep the rate of the accountant that checked them."""
+    model = make_model(noise=0.8)
+    model.fit(X, Y, batch_size=B, epochs=2, verbose=0,
+              callbacks=[PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=B, verbose=0)])
+    assert kdp.ledger_of(model).rows() == [(0.8, B / N, float(B), 16)]
+    bigger = 100 * N
+    later = PrivacyAccountant(delta=DELTA, dataset_size=bigger, batch_size=B, verbose=0)
+    model.fit(X[:2 * B], Y[:2 * B], batch_size=B, epochs=1, verbose=0, callbacks=[later])
+    spent = dp_accounting_epsilon([(0.8, B / N, 16), (0.8, B / bigger, 2)])
+    assert later.epsilon == pytest.approx(spent, rel=1e-9)
+    assert later.epsilon >= dp_accounting_epsilon([(0.8, B / N, 16)])
+
+
+def test_poisson_batches_regrouped_after_sampling_are_refused():
+    """Review finding: for Poisson batches the step checked only the rate they
+    carry, so unbatch().filter(real).batch(200) trained 10x the expected number
+    of real examples per update at the recorded q. A batch beyond what a draw
+    at that rate reaches (once in 1e12 over a million steps) is now refused
+    before its update."""
+    q = 0.25
+    batches = kdp.data.poisson_batches((X, Y), q, N, seed=0, num_steps=8)
+    regrouped = batches.unbatch().filter(
+        lambda x, y, sw: sw[kdp.data.poisson.REAL_SLOTS_KEY] > 0).batch(N)
+    model = make_model(expected_batch_size=q * N)
+    before = model.trainable_variables[0].numpy().copy()
+    accountant = PrivacyAccountant(delta=DELTA, batches=batches, verbose=0)
+    with pytest.raises(Exception, match="exceeded|refused"):
+        model.fit(regrouped, verbose=0, callbacks=[accountant])
+    assert np.array_equal(model.trainable_variables[0].numpy(), before)  # no update
+    fresh = make_model(expected_batch_size=q * N)
+    fresh.fit(batches, verbose=0, callbacks=[PrivacyAccountant(delta=DELTA, batches=batches,
+                                                               verbose=0)])
+    assert kdp.ledger_of(fresh).updates == 8
+
+
+def test_two_accountants_in_one_fit_are_refused():
+    """Review finding: two accountants shared the ledger's limits and the last
+    registered one won: the one with target epsilon 2 let training reach 3.59."""
+    model = make_model()
+    first = PrivacyAccountant(target_epsilon=2.0, delta=DELTA, dataset_size=N, batch_size=B,
+                              verbose=0)
+    second = PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=2 * B, verbose=0)
+    with pytest.raises(ValueError, match="Two PrivacyAccountant"):
+        model.fit(X, Y, batch_size=B, epochs=1, verbose=0, callbacks=[first, second])
+    assert kdp.ledger_of(model).updates == 0
+    kdp.ledger_of(model).clear_limits()
+    model.fit(X, Y, batch_size=B, epochs=1, verbose=0, callbacks=[second])
+    assert kdp.ledger_of(model).updates == N // B

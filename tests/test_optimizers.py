@@ -58,6 +58,24 @@ def test_noise_differs_every_step_and_seed_reproduces():
     assert abs(np.corrcoef(one.ravel(), second_step.ravel())[0, 1]) < 0.02
 
 
+def test_a_recompiled_optimizer_with_the_same_seed_continues_the_noise_sequence():
+    """Review finding: the noise seed was folded with the optimizer's own update
+    count, so recompiling with a fresh DP optimizer of the same ``seed``
+    replayed the first update's noise exactly (correlation 1.0) while the
+    ledger counted the two updates as independent. It is now folded with the
+    model's ledger count."""
+    first, model = _noise_update(kdp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                           seed=7), 4)
+    model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=1.0, seed=7),
+                  loss="mse")
+    before = model.trainable_variables[0].numpy().copy()
+    model.fit(np.ones((4, 50), "float32"), np.zeros((4, 2000), "float32"),
+              sample_weight=np.zeros(4, "float32"), batch_size=4, verbose=0)
+    second = model.trainable_variables[0].numpy() - before
+    assert kdp.ledger_of(model).updates == 2
+    assert abs(np.corrcoef(first.ravel(), second.ravel())[0, 1]) < 0.02
+
+
 def test_default_seed_comes_from_os_entropy():
     seeds = {kdp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=1.0)._noise_seed for _ in range(5)}
     assert len(seeds) == 5

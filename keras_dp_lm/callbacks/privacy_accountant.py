@@ -25,11 +25,15 @@ from keras_dp_lm.accounting.events import as_event
 from keras_dp_lm.accounting.events import row_sampling_rate
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import ledger_events
+from keras_dp_lm.accounting.overflow import suggest_max_batch_size
 from keras_dp_lm.accounting.report import privacy_report
 from keras_dp_lm.accounting.report import privacy_statement
 from keras_dp_lm.training.ledger import ledger_of
 
 
+# The real-example cap of a Poisson batch (see PrivacyAccountant._resolve).
+_CAP_STEPS = 10**6
+_CAP_PROBABILITY = 1e-12
 # Per-batch upper bounds: grid points per fit (on a PLD curve that bounds the
 # accountant's epsilon from above, `composed_curve(..., upper_bound=True)`).
 _GRID_POINTS = 16
@@ -184,6 +188,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self._limit = None
         self._shuffle_warned = False
         self._begin_checked = True
+        self.in_fit = False  # between on_train_begin and on_train_end
         self.stopped_at = None
         self._exact_cache = {}  # exact epsilon by ledger rows (a few entries)
         self._reset_batch_epsilon()
@@ -234,6 +239,12 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 "(keras_dp_lm.data.poisson_batches) and pass batches=dataset.",
                 stacklevel=3)
         spe = getattr(self.model, "steps_per_execution", 1) or 1
+        # A Poisson batch with more real examples than a draw at this rate
+        # reaches once in 1e12 over a million steps was not drawn at it (e.g.
+        # Poisson batches regrouped with unbatch().batch()): refused.
+        cap = (float(suggest_max_batch_size(self.dataset_size, rate, _CAP_STEPS,
+                                            _CAP_PROBABILITY))
+               if sampling == "poisson" else 0.0)
         return {
             "optimizer": optimizer,
             "noise_multiplier": sigma,
@@ -247,6 +258,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
             "sampling": sampling,
             "sampling_source": sampling_source,
             "steps_per_execution": int(spe),
+            "poisson_batch_cap": cap,
         }
 
     def _rows(self):
@@ -342,10 +354,12 @@ class PrivacyAccountant(keras.callbacks.Callback):
         _ledger(self.model).set_limits(
             noise_multiplier=config["noise_multiplier"],
             sampling_rate=config["sampling_rate"],
-            batch_size=config["batch_size"])
+            batch_size=config["batch_size"],
+            poisson_batch_cap=config["poisson_batch_cap"], owner=self)
 
     # -- Keras hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
+        self.in_fit = True
         self._config = self._resolve()
         self._limit = None
         self.stopped_at = None
@@ -397,6 +411,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def on_train_end(self, logs=None):
+        self.in_fit = False
         _ledger(self.model).clear_limits()
 
     def on_epoch_end(self, epoch, logs=None):

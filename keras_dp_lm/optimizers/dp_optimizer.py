@@ -246,11 +246,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Std of the noise each replica adds so that the sum has ``sigma * C``."""
         return self.noise_multiplier * self.l2_norm_clip / math.sqrt(num_replicas)
 
-    def _noise_like(self, grads, replica_id, num_replicas):
+    def _noise_like(self, grads, replica_id, num_replicas, update_index=None):
+        """Gaussian noise for each of ``grads``, from the seed folded with
+        ``update_index`` (the model's ledger count: a recompiled optimizer with
+        the same ``seed`` continues the sequence, it never replays it; this
+        optimizer's own ``dp_updates`` when not given) and the replica."""
+        if update_index is None:
+            update_index = self.dp_updates.value
         seed = tf.constant([self._noise_seed >> 31, self._noise_seed & 0x7FFFFFFF],
                            dtype=tf.int64)
         seed = tf.random.experimental.stateless_fold_in(
-            seed, tf.cast(self.dp_updates.value, tf.int64))
+            seed, tf.cast(update_index, tf.int64))
         seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(replica_id, tf.int64))
         stddev = self.noise_stddev_per_replica(num_replicas)
         return [tf.random.stateless_normal(
@@ -258,7 +264,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             stddev=stddev, dtype=grad.dtype) for index, grad in enumerate(grads)]
 
     def _apply_clipped_sum(self, clipped_sum, trainable_variables, local_batch_size,
-                           public_gradients=None):
+                           public_gradients=None, update_index=None):
         """Noise, normalise and apply a clipped per-example gradient sum.
 
         Called only by the DP train step, in replica context, once per logical
@@ -272,6 +278,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             local_batch_size: number of real examples this replica processed.
             public_gradients: optional gradients of a data-independent term
                 (weight regularisation), added after the noised average.
+            update_index: which update of the model this is (its ledger
+                count), folded into the noise seed.
         """
         ctx = tf.distribute.get_replica_context()
         if ctx is None:
@@ -294,7 +302,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         grads = [tf.cast(g, sum_dtype(v)) for g, v in zip(clipped_sum, trainable_variables)]
         if self.noise_multiplier > 0:
             grads = [g + n for g, n in zip(grads, self._noise_like(
-                grads, replica_id, num_replicas))]
+                grads, replica_id, num_replicas, update_index))]
         if self.expected_batch_size is not None:
             divisor = tf.constant(self.expected_batch_size, tf.float32)
         else:

@@ -11,9 +11,11 @@ step itself used (never from Python attributes read later):
 
 * ``noise_multiplier``: sigma baked into the traced step;
 * ``sampling_rate``: q of the Poisson sampler that drew the batch (carried by
-  the batch, see :func:`keras_dp_lm.data.attach_real_slots`), or 0 for
-  fixed-size batches, which the accountant accounts at
-  ``max_real_batch / dataset_size``;
+  the batch, see :func:`keras_dp_lm.data.attach_real_slots`); for fixed-size
+  batches the rate of the :class:`~keras_dp_lm.callbacks.PrivacyAccountant`
+  that checked the update (its ``batch_size / dataset_size``), or 0 when no
+  accountant was attached: such rows are accounted at
+  ``max_real_batch / dataset_size`` of whichever accountant reads them;
 * ``max_real_batch``: the largest number of real (non-padding) examples of a
   logical batch in that row (users, for user-level training).
 
@@ -34,9 +36,11 @@ Example:
     >>> model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
     ...               loss="mse")
     >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=4, verbose=0)
-    >>> kdp.ledger_of(model).rows()
+    >>> kdp.ledger_of(model).rows()   # no accountant attached: q unknown (0)
     [(1.0, 0.0, 4.0, 2)]
 """
+
+import weakref
 
 import numpy as np
 import keras
@@ -63,10 +67,11 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             self.num_rows = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_rows",
                 aggregation="only_first_replica")
-            # Accounted limits: (smallest sigma, largest q, largest real batch);
-            # 0 means "not checked".
+            # Accounted limits: (smallest sigma, largest q, largest real batch of
+            # a fixed-size batch, largest real batch of a Poisson batch); 0 means
+            # "not checked".
             self.limits = keras.Variable(
-                np.zeros((3,)), dtype="float64", trainable=False,
+                np.zeros((4,)), dtype="float64", trainable=False,
                 name="dp_ledger_limits", aggregation="only_first_replica")
             self.violations = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_violations",
@@ -83,6 +88,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         # True once the probe passed in a call of its own before the step (the
         # step is then traced without it); Python only, reset with the above.
         self.probed_before_step = False
+        # The accountant whose limits are registered (a weak reference).
+        self._limits_owner = None
 
     # -- Keras saving (the ledger is saved with the model's weights) ---------
     def _obj_type(self):
@@ -131,11 +138,37 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         """Total number of noised updates the model has received."""
         return sum(row[3] for row in self.rows())
 
-    def set_limits(self, noise_multiplier=0.0, sampling_rate=0.0, batch_size=0.0):
-        """Parameters the accountant assumes; the step refuses batches beyond them."""
+    def updates_so_far(self):
+        """The number of updates recorded, as an int64 tensor (for the traced step)."""
+        table = tf.convert_to_tensor(self.table.value)
+        return tf.cast(tf.reduce_sum(table[:, 3]), tf.int64)
+
+    def set_limits(self, noise_multiplier=0.0, sampling_rate=0.0, batch_size=0.0,
+                   poisson_batch_cap=0.0, owner=None):
+        """Parameters the accountant assumes; the step refuses batches beyond them.
+
+        ``poisson_batch_cap``: the most real examples a Poisson batch at
+        ``sampling_rate`` may hold (a draw larger than it has negligible
+        probability; a batch regrouped after sampling is refused). ``owner``:
+        the registering accountant; while another one is in a fit with its
+        limits registered, a second one is refused (the ledger records one
+        accountant's rate, and the step checks one set of limits).
+        """
+        current = self._limits_owner() if self._limits_owner is not None else None
+        if owner is not None and current is not None and current is not owner and getattr(
+                current, "in_fit", False):
+            raise ValueError(
+                "Two PrivacyAccountant callbacks in one fit: the model's ledger records "
+                "the updates at one accountant's sampling rate and the step checks one "
+                "set of limits. Pass a single PrivacyAccountant. (If an earlier fit "
+                "with another accountant was interrupted, call "
+                "keras_dp_lm.ledger_of(model).clear_limits() first.)")
         self.limits.assign(np.array(
-            [noise_multiplier, sampling_rate, batch_size], dtype="float64"))
+            [noise_multiplier, sampling_rate, batch_size, poisson_batch_cap],
+            dtype="float64"))
         self.violations.assign(0)
+        if owner is not None:
+            self._limits_owner = weakref.ref(owner)
 
     def reset_independence(self):
         """Forget that the example-independence probe passed (a recompile may
@@ -144,7 +177,9 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.probed_before_step = False
 
     def clear_limits(self):
-        self.limits.assign(np.zeros((3,)))
+        """Forget the registered limits (and their accountant)."""
+        self.limits.assign(np.zeros((4,)))
+        self._limits_owner = None
 
     # -- writing (inside the traced step) -------------------------------------
     def check(self, noise_multiplier, sampling_rate, real_batch, unit="example"):
@@ -155,7 +190,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         q = tf.cast(sampling_rate, tf.float64)
         batch = tf.cast(real_batch, tf.float64)
         sigma_ok = (limits[0] <= 0) | (sigma >= limits[0] * (1 - 1e-12))
-        poisson_ok = (limits[1] <= 0) | (q <= limits[1] * (1 + 1e-9))
+        poisson_ok = (((limits[1] <= 0) | (q <= limits[1] * (1 + 1e-9)))
+                      & ((limits[3] <= 0) | (batch <= limits[3])))
         fixed_ok = (limits[2] <= 0) | (batch <= limits[2] * (1 + 1e-9))
         code = tf.constant(PRIVACY_UNITS[unit], tf.int64)
         held = tf.convert_to_tensor(self.unit.value)
@@ -170,6 +206,11 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         rows = tf.convert_to_tensor(self.num_rows.value)
         sigma = tf.constant(noise_multiplier, tf.float64)
         q = tf.cast(sampling_rate, tf.float64)
+        # A fixed-size batch is recorded at the rate of the accountant that
+        # checked it (its batch / dataset_size, which the check bounds this
+        # batch by), so a later accountant with another dataset_size cannot
+        # reprice it; 0 (priced at the reader's dataset_size) without one.
+        q = tf.where(q > 0, q, tf.convert_to_tensor(self.limits.value)[1])
         batch = tf.cast(real_batch, tf.float64)
         last = tf.maximum(rows - 1, 0)
         previous = tf.gather(table, last)

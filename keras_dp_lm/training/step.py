@@ -551,7 +551,8 @@ def dp_train_step(model, data):
         ok = tf.identity(ok)
     check = tf.debugging.Assert(ok, [
         "keras_dp_lm refused a batch beyond what the accountant assumes "
-        "(limits: noise_multiplier >=, sampling_rate <=, real batch <=; then this "
+        "(limits: noise_multiplier >=, sampling_rate <=, real fixed-size batch <=, "
+        "real Poisson batch <=; then this "
         "batch's values), or of another privacy unit than the model's earlier "
         "updates (example batches and user batches never mix in one ledger). Pass "
         "the real batch_size / sampling_rate to PrivacyAccountant, or feed batches "
@@ -561,7 +562,8 @@ def dp_train_step(model, data):
         keep = tf.cast(ok, tf.float32)  # and under XLA, which drops asserts, it adds nothing
         grads = [g * tf.cast(keep, g.dtype) for g in result.grads]
         optimizer._apply_clipped_sum(grads, model.trainable_variables, local_size,
-                                     public_gradients=_regularization_gradients(model))
+                                     public_gradients=_regularization_gradients(model),
+                                     update_index=ledger.updates_so_far())
         ledger.record(sigma, rate, real, ok, unit)
     # Mean loss per real unit (a user's weighted losses sum to its mean loss).
     internals.loss_tracker(model).update_state(
