@@ -15,6 +15,7 @@ from keras_dp_lm import data as sampling
 from keras_dp_lm.callbacks import PrivacyAccountant
 from keras_dp_lm.accounting import compute_epsilon
 from keras_dp_lm.testing import tiny_gpt2_causal_lm
+from keras_dp_lm.training.refusals import probe_state
 
 SCCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -638,8 +639,9 @@ def test_the_independence_probe_runs_once_and_passes_ordinary_models():
     x, y = _data(12)
     model.fit(x, y, batch_size=4, verbose=0)
     ledger = kdp.ledger_of(model)
-    assert int(ledger.independence_checked.numpy()) == 1 and ledger.updates == 3
-    assert ledger.probed_before_step  # the step was traced without the probe
+    state = probe_state(model)
+    assert int(state.independence_checked.numpy()) == 1 and ledger.updates == 3
+    assert state.probed_before_step  # the step was traced without the probe
 
 
 def test_the_training_probe_passes_dropout_and_leaves_its_seed_state_alone():
@@ -694,7 +696,7 @@ def test_a_first_batch_of_one_example_leaves_the_probe_to_the_next_batch():
     with pytest.raises(ValueError, match="mixes examples"):
         model.fit(ds, verbose=0)
     ledger = kdp.ledger_of(model)
-    assert ledger.updates == 1 and not ledger.probed_before_step
+    assert ledger.updates == 1 and not probe_state(model).probed_before_step
 
 
 @pytest.mark.parametrize("first_batch", ["distinct", "identical"])
@@ -713,7 +715,7 @@ def test_a_recompile_with_a_loss_that_mixes_examples_is_probed_again(first_batch
     first = x if first_batch == "distinct" else np.repeat(x[:1], 6, axis=0)
     model.fit(first, y, batch_size=6, verbose=0)
     # identical examples cannot show mixing: the probe passed without telling
-    assert kdp.ledger_of(model).probed_before_step is (first_batch == "distinct")
+    assert probe_state(model).probed_before_step is (first_batch == "distinct")
     model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0),
                   loss=_InBatchContrastive())
     _assert_mixing_refused_before_any_update(model, x, y)
@@ -866,7 +868,7 @@ def test_a_training_pass_with_no_finite_row_does_not_count_as_probed():
     with pytest.raises(ValueError, match="mixes examples"):
         model.fit(ds, verbose=0)
     ledger = kdp.ledger_of(model)
-    assert not ledger.probed_before_step and ledger.updates == 0
+    assert not probe_state(model).probed_before_step and ledger.updates == 0
 
 
 def test_a_nan_example_in_the_first_batch_does_not_trip_the_independence_probe():

@@ -80,14 +80,6 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             self.unit = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_unit",
                 aggregation="only_first_replica")
-            # 1 once fast clipping's example-independence probe has passed
-            # (not saved: a reloaded model is probed again on its first batch).
-            self.independence_checked = keras.Variable(
-                0, dtype="int64", trainable=False, name="dp_ledger_independence_checked",
-                aggregation="only_first_replica")
-        # True once the probe passed in a call of its own before the step (the
-        # step is then traced without it); Python only, reset with the above.
-        self.probed_before_step = False
         # The accountant whose limits are registered (a weak reference).
         self._limits_owner = None
 
@@ -170,12 +162,6 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         if owner is not None:
             self._limits_owner = weakref.ref(owner)
 
-    def reset_independence(self):
-        """Forget that the example-independence probe passed (a recompile may
-        bring a loss that mixes examples): the next batch is probed again."""
-        self.independence_checked.assign(0)
-        self.probed_before_step = False
-
     def clear_limits(self):
         """Forget the registered limits (and their accountant)."""
         self.limits.assign(np.zeros((4,)))
@@ -228,8 +214,26 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.violations.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
 
 
+def _ledger_holder(model):
+    """The model whose weights the ledger describes: a KerasHub task's backbone
+    (saved alone by ``save_to_preset``, shared by the tasks built on it), else
+    the model itself."""
+    try:
+        backbone = getattr(model, "backbone", None)
+    except Exception:  # a property that cannot answer yet
+        backbone = None
+    if isinstance(backbone, keras.Model) and backbone is not model:
+        return _ledger_holder(backbone)
+    return model
+
+
 def ledger_of(model, create=True):
     """The :class:`PrivacyLedger` of ``model`` (created empty on first use).
+
+    A model with a ``backbone`` (a KerasHub task) keeps its ledger with the
+    backbone, so ``save_to_preset`` / ``from_preset`` (which save and load the
+    backbone's weights) carry it, and every task built on that backbone counts
+    the updates its weights received.
 
     Example:
         >>> import keras, keras_dp_lm as kdp
@@ -237,8 +241,34 @@ def ledger_of(model, create=True):
         >>> kdp.ledger_of(model).updates
         0
     """
-    ledger = model.__dict__.get("_keras_dp_lm_ledger")
+    holder = _ledger_holder(model)
+    ledger = holder.__dict__.get("_keras_dp_lm_ledger")
     if ledger is None and create:
         ledger = PrivacyLedger()
-        model.__dict__["_keras_dp_lm_ledger"] = ledger
+        holder.__dict__["_keras_dp_lm_ledger"] = ledger
     return ledger
+
+
+class _LedgerView(keras_internals.KerasSaveable):
+    """A task's ``dp_ledger`` as Keras saving sees it: its backbone's ledger,
+    saved again at the task's own path (files written before the ledger moved
+    to the backbone hold it there; Keras visits the backbone first, so this
+    path, loaded last, wins)."""
+
+    def __init__(self, ledger):
+        self._ledger = lambda: ledger  # a callable: Keras does not walk into it
+
+    def _obj_type(self):
+        return self._ledger()._obj_type()
+
+    def save_own_variables(self, store):
+        self._ledger().save_own_variables(store)
+
+    def load_own_variables(self, store):
+        self._ledger().load_own_variables(store)
+
+
+def saved_ledger(model):
+    """``model.dp_ledger``: what Keras saves and loads as the model's ledger."""
+    ledger = ledger_of(model)
+    return ledger if _ledger_holder(model) is model else _LedgerView(ledger)

@@ -512,7 +512,7 @@ def examples_independent(model, losses_fn, batch, mask, rows=None, rtol=1e-4,
     the probe (the model's structure does not change; a compile resets it);
     a failing probe makes the DP step refuse the batch.
     """
-    ledger = _ledger(model)
+    state = probe_state(model)
 
     def probe():
         return model_probe(model, losses_fn, batch, mask, rows, rtol, engine)
@@ -520,12 +520,39 @@ def examples_independent(model, losses_fn, batch, mask, rows=None, rtol=1e-4,
     # Its passes must not write model variables either (fit's probe before the
     # step is checked the same way).
     ok, done = without_state_updates(
-        model, lambda: tf.cond(ledger.independence_checked < 1, probe, _passed_untold))
-    ledger.independence_checked.assign(
-        tf.maximum(ledger.independence_checked, tf.cast(done & ok, tf.int64)))
+        model, lambda: tf.cond(state.independence_checked < 1, probe, _passed_untold))
+    state.independence_checked.assign(
+        tf.maximum(state.independence_checked, tf.cast(done & ok, tf.int64)))
     return ok
 
 
-def _ledger(model):
-    from keras_dp_lm.training.ledger import ledger_of  # no import cycle
-    return ledger_of(model)
+class ProbeState:
+    """What the independence probe has established about one model (not
+    saved: a reloaded or recompiled model is probed again on its first batch).
+
+    * ``independence_checked``: 1 once a probe that could tell has passed
+      (a variable: the step reads it);
+    * ``probed_before_step``: the probe passed in a call of its own before the
+      step, which is then traced without it.
+    """
+
+    def __init__(self):
+        with tf.init_scope():
+            self.independence_checked = keras.Variable(
+                0, dtype="int64", trainable=False, name="dp_independence_checked",
+                aggregation="only_first_replica")
+        self.probed_before_step = False
+
+    def reset(self):
+        """Forget that the probe passed (a recompile may bring a loss that
+        mixes examples): the next batch is probed again."""
+        self.independence_checked.assign(0)
+        self.probed_before_step = False
+
+
+def probe_state(model):
+    """The :class:`ProbeState` of ``model`` (created on first use)."""
+    state = model.__dict__.get("_keras_dp_lm_probe_state")
+    if state is None:
+        state = model.__dict__["_keras_dp_lm_probe_state"] = ProbeState()
+    return state

@@ -34,6 +34,7 @@ from keras_dp_lm import clipping as clipping_module
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.ledger import saved_ledger
 from keras_dp_lm.training.losses import per_example_losses
 from keras_dp_lm.training.losses import regularization_loss
 from keras_dp_lm.optimizers import is_dp_optimizer
@@ -427,9 +428,9 @@ def _probe_batch(model, data, spec=None):
     if not bool(ok):
         raise ValueError(_MIXING_REFUSED)
     if bool(meaningful):
-        ledger = ledger_of(model)
-        ledger.independence_checked.assign(1)
-        ledger.probed_before_step = True
+        state = refusals.probe_state(model)
+        state.independence_checked.assign(1)
+        state.probed_before_step = True
         _PROBES.pop(model, None)  # its graph is not needed again
 
 
@@ -442,14 +443,14 @@ def _train_function_probing_first(model, train_function):
     program on every step even when it is skipped: on SmolLM2-135M with LoRA,
     415 MB of peak RSS and 27 s of the first step's compile time. Once a probe
     has passed, the step is traced without it
-    (``ledger.probed_before_step``). The batch the probe ran on is then
+    (``probe_state(model).probed_before_step``). The batch the probe ran on is then
     trained on as usual. Under a ``tf.distribute`` strategy, with
     ``run_eagerly=True`` and in custom loops (:func:`make_private`) the step
     probes inside itself instead.
     """
     def run(iterator):
-        ledger = ledger_of(model)
-        if (ledger.probed_before_step or model.optimizer.clipping == "exact"
+        if (refusals.probe_state(model).probed_before_step
+                or model.optimizer.clipping == "exact"
                 or model.run_eagerly
                 or isinstance(iterator, tf.distribute.DistributedIterator)
                 or tf.distribute.has_strategy()
@@ -528,7 +529,7 @@ def dp_train_step(model, data):
             "examples: pass expected_batch_size=sampling_rate * dataset_size to the "
             "DP optimizer.")
     independent = tf.constant(True)
-    if optimizer.clipping != "exact" and not ledger.probed_before_step:
+    if optimizer.clipping != "exact" and not refusals.probe_state(model).probed_before_step:
         # fit / train_on_batch probe before the first step, in a call of its
         # own (_train_function_probing_first); other callers probe here.
         independent = refusals.examples_independent(
@@ -689,7 +690,7 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         ledger_of(self)  # created in the strategy scope compile runs in
         self.train_step = types.MethodType(dp_train_step, self)
         # A new loss (or model) is probed again, by a probe traced anew.
-        ledger_of(self).reset_independence()
+        refusals.probe_state(self).reset()
         _PROBES.pop(self, None)
         if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
             self.make_train_function = _dp_make_train_function(self)
@@ -741,7 +742,7 @@ def install():
         trainer.compile = _compile_with_dp_binding
     if not isinstance(getattr(trainer, "dp_ledger", None), property):
         trainer.dp_ledger = property(
-            ledger_of, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
+            saved_ledger, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
     tf_trainer = internals.TensorFlowTrainer
     if tf_trainer._maybe_symbolic_build is not _symbolic_build_distributed_safe:
         tf_trainer._maybe_symbolic_build = _symbolic_build_distributed_safe
