@@ -963,7 +963,7 @@ class _LearnedScale(keras.layers.Layer):
         return x * self.scale
 
 
-@pytest.mark.parametrize("uncovered", ["learned_scale", "lstm_dropout"])
+@pytest.mark.parametrize("uncovered", ["learned_scale", "gru_dropout"])
 def test_uncovered_layers_with_dropout_train_with_fast_clipping(uncovered):
     """Review finding: the engine check compared every variable, but the exact
     fallback differentiates one example at a time and draws its own dropout
@@ -977,7 +977,7 @@ def test_uncovered_layers_with_dropout_train_with_fast_clipping(uncovered):
                                   keras.layers.Dense(3)])
         x = rng.normal(size=(16, 20)).astype("float32")
     else:
-        model = keras.Sequential([keras.Input((5, 4)), keras.layers.LSTM(6, dropout=0.2),
+        model = keras.Sequential([keras.Input((5, 4)), keras.layers.GRU(6, dropout=0.2),
                                   keras.layers.Dense(3)])
         x = rng.normal(size=(16, 5, 4)).astype("float32")
     y = rng.integers(0, 3, 16)
