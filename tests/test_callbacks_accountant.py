@@ -207,3 +207,19 @@ def test_two_accountants_in_one_fit_are_refused():
     kdp.ledger_of(model).clear_limits()
     model.fit(X, Y, batch_size=B, epochs=1, verbose=0, callbacks=[second])
     assert kdp.ledger_of(model).updates == N // B
+
+
+def test_a_poisson_batch_labelled_with_a_smaller_rate_is_recorded_at_the_accountants():
+    """Review finding: the ledger recorded the rate a batch carries, which is
+    the user's word: batches drawn at 0.25 and labelled 0.01 were accounted at
+    0.01. With an accountant attached, an update is recorded at the larger of
+    the two rates."""
+    q = 0.25
+    batches = kdp.data.poisson_batches((X, Y), q, N, seed=0, num_steps=4)
+    key = kdp.data.poisson.SAMPLING_RATE_KEY
+    relabelled = batches.map(lambda x, y, sw: (x, y, {**sw, key: 0.04 * sw[key]}))
+    model = make_model(expected_batch_size=q * N)
+    accountant = PrivacyAccountant(delta=DELTA, batches=batches, verbose=0)
+    model.fit(relabelled, verbose=0, callbacks=[accountant])
+    assert kdp.ledger_of(model).rows()[0][1] == pytest.approx(q)
+    assert accountant.epsilon == pytest.approx(dp_accounting_epsilon([(1.0, q, 4)]), rel=1e-9)

@@ -10,12 +10,12 @@ max_real_batch, updates)``, written by the traced DP step from the values the
 step itself used (never from Python attributes read later):
 
 * ``noise_multiplier``: sigma baked into the traced step;
-* ``sampling_rate``: q of the Poisson sampler that drew the batch (carried by
-  the batch, see :func:`keras_dp_lm.data.attach_real_slots`); for fixed-size
-  batches the rate of the :class:`~keras_dp_lm.callbacks.PrivacyAccountant`
-  that checked the update (its ``batch_size / dataset_size``), or 0 when no
-  accountant was attached: such rows are accounted at
-  ``max_real_batch / dataset_size`` of whichever accountant reads them;
+* ``sampling_rate``: the larger of the Poisson rate the batch carries (see
+  :func:`keras_dp_lm.data.attach_real_slots`; 0 for fixed-size batches) and
+  the rate of the :class:`~keras_dp_lm.callbacks.PrivacyAccountant` that
+  checked the update (its ``batch_size / dataset_size``). A fixed-size batch
+  trained with no accountant attached has 0 and is accounted at
+  ``max_real_batch / dataset_size`` of whichever accountant reads it;
 * ``max_real_batch``: the largest number of real (non-padding) examples of a
   logical batch in that row (users, for user-level training).
 
@@ -192,11 +192,14 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         rows = tf.convert_to_tensor(self.num_rows.value)
         sigma = tf.constant(noise_multiplier, tf.float64)
         q = tf.cast(sampling_rate, tf.float64)
-        # A fixed-size batch is recorded at the rate of the accountant that
-        # checked it (its batch / dataset_size, which the check bounds this
-        # batch by), so a later accountant with another dataset_size cannot
-        # reprice it; 0 (priced at the reader's dataset_size) without one.
-        q = tf.where(q > 0, q, tf.convert_to_tensor(self.limits.value)[1])
+        # With an accountant attached, an update is recorded at its rate when
+        # the batch carries a smaller one or none: a fixed-size batch at the
+        # accountant's batch / dataset_size (which the check bounds it by), so
+        # a later accountant with another dataset_size cannot reprice it; a
+        # Poisson batch labelled with a smaller rate than the accountant allows
+        # (its label is the user's word) at the accountant's. Without one, a
+        # fixed-size batch has rate 0 (priced at the reader's dataset_size).
+        q = tf.maximum(q, tf.convert_to_tensor(self.limits.value)[1])
         batch = tf.cast(real_batch, tf.float64)
         last = tf.maximum(rows - 1, 0)
         previous = tf.gather(table, last)
