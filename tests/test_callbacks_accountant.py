@@ -170,6 +170,10 @@ def test_fixed_size_updates_keep_the_rate_they_were_accounted_at():
     spent = dp_accounting_epsilon([(0.8, B / N, 16), (0.8, B / bigger, 2)])
     assert later.epsilon == pytest.approx(spent, rel=1e-9)
     assert later.epsilon >= dp_accounting_epsilon([(0.8, B / N, 16)])
+    # the report's headline covers the whole ledger (review: it read the last row only)
+    assert later.report()["epsilon"] == pytest.approx(later.epsilon, rel=1e-9)
+    assert later.report()["total_epsilon"] == pytest.approx(later.epsilon, rel=1e-9)
+    assert later.report()["steps"] == 18
 
 
 def test_poisson_batches_regrouped_after_sampling_are_refused():
@@ -178,8 +182,8 @@ def test_poisson_batches_regrouped_after_sampling_are_refused():
     of real examples per update at the recorded q. A batch beyond what a draw
     at that rate reaches (once in 1e12 over a million steps) is now refused
     before its update."""
-    q = 0.25
-    batches = kdp.data.poisson_batches((X, Y), q, N, seed=0, num_steps=8)
+    q = 0.05  # cap 38 real examples; 40 draws hold ~128
+    batches = kdp.data.poisson_batches((X, Y), q, N, seed=0, num_steps=40)
     regrouped = batches.unbatch().filter(
         lambda x, y, sw: sw[kdp.data.poisson.REAL_SLOTS_KEY] > 0).batch(N)
     model = make_model(expected_batch_size=q * N)
@@ -188,10 +192,17 @@ def test_poisson_batches_regrouped_after_sampling_are_refused():
     with pytest.raises(Exception, match="exceeded|refused"):
         model.fit(regrouped, verbose=0, callbacks=[accountant])
     assert np.array_equal(model.trainable_variables[0].numpy(), before)  # no update
+    # a batch labelled Poisson under an accountant of fixed-size batches: bounded by
+    # its batch size (review: 500 real rows passed an accountant of batches of 100)
+    shuffled = make_model(expected_batch_size=q * N)
+    with pytest.raises(Exception, match="refused"):
+        shuffled.fit(regrouped, verbose=0, callbacks=[PrivacyAccountant(
+            delta=DELTA, dataset_size=N, batch_size=B, sampling="shuffle", verbose=0)])
+    assert kdp.ledger_of(shuffled).updates <= 1  # the refused batch, recorded
     fresh = make_model(expected_batch_size=q * N)
     fresh.fit(batches, verbose=0, callbacks=[PrivacyAccountant(delta=DELTA, batches=batches,
                                                                verbose=0)])
-    assert kdp.ledger_of(fresh).updates == 8
+    assert kdp.ledger_of(fresh).updates == 40
 
 
 def test_two_accountants_in_one_fit_are_refused():
@@ -223,3 +234,44 @@ def test_a_poisson_batch_labelled_with_a_smaller_rate_is_recorded_at_the_account
     model.fit(relabelled, verbose=0, callbacks=[accountant])
     assert kdp.ledger_of(model).rows()[0][1] == pytest.approx(q)
     assert accountant.epsilon == pytest.approx(dp_accounting_epsilon([(1.0, q, 4)]), rel=1e-9)
+
+
+def test_a_fit_that_raised_leaves_no_limits_behind():
+    """Review finding: Keras skips on_train_end when fit raises, so the
+    accountant's limits stayed registered: a later fit without an accountant was
+    checked and recorded at the crashed accountant's rate (5.54 reported for
+    24.8 spent), and a new accountant was refused."""
+    model = make_model()
+
+    def crash(batch, logs):
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(X, Y, batch_size=B, verbose=0, callbacks=[
+            PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=B, verbose=0),
+            keras.callbacks.LambdaCallback(on_train_batch_end=crash)])
+    assert not np.any(kdp.ledger_of(model).limits.numpy())
+    model.fit(X[:16], Y[:16], batch_size=16, verbose=0)   # no accountant: any batch
+    assert kdp.ledger_of(model).rows()[-1] == (1.0, 0.0, 16.0, 1)
+    model.fit(X, Y, batch_size=B, verbose=0, callbacks=[
+        PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=B, verbose=0)])
+
+
+def test_only_keras_hub_tasks_keep_their_ledger_with_a_backbone():
+    """Review finding: any model with a ``backbone`` attribute handed its ledger
+    to it, so a new head on a shared public encoder started with another
+    head's updates (and a target epsilon refused it)."""
+    encoder = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+
+    class Classifier(keras.Model):
+        def __init__(self, backbone):
+            super().__init__()
+            self.backbone = backbone
+            self.head = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.head(self.backbone(x))
+
+    first, second = Classifier(encoder), Classifier(encoder)
+    assert kdp.ledger_of(first) is not kdp.ledger_of(second)
+    assert kdp.ledger_of(first) is not kdp.ledger_of(encoder)

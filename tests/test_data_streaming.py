@@ -180,9 +180,13 @@ def test_keras_hub_padding_slots_are_inert_end_to_end(jit_compile, accumulation,
     update equals the one on the real rows alone, and garbage (with full weight) in
     the padding slots changes nothing; under XLA and with gradient accumulation."""
     n, q, cap = len(RECORDS), 0.25, 16
-    lm = testing.tiny_llama_causal_lm(texts=[testing.DEFAULT_TEXT], vocabulary_size=512,
-                                      num_layers=1, hidden_dim=16, intermediate_dim=32,
-                                      sequence_length=12, seed=0)
+
+    def tiny_llama():
+        return testing.tiny_llama_causal_lm(
+            texts=[testing.DEFAULT_TEXT], vocabulary_size=512, num_layers=1, hidden_dim=16,
+            intermediate_dim=32, sequence_length=12, seed=0)
+
+    lm = tiny_llama()
     init = lm.get_weights()
     preprocessor, lm.preprocessor = lm.preprocessor, None  # batches come preprocessed
 
@@ -210,9 +214,14 @@ def test_keras_hub_padding_slots_are_inert_end_to_end(jit_compile, accumulation,
 
     def updates(datasets, jit, k):
         """One DP step from `init` on each dataset; one compile (the same noise
-        needs a fresh optimizer: with noise, one compile per dataset)."""
+        needs the same seed and ledger count, which it is folded with: with
+        noise, a fresh model and optimizer per dataset)."""
+        nonlocal lm
         out = []
         for i, data in enumerate(datasets):
+            if noise and kdp.ledger_of(lm).updates:
+                lm = tiny_llama()
+                lm.preprocessor = None
             if i == 0 or noise:
                 lm.compile(optimizer=kdp.DPSGD(
                     learning_rate=0.5, l2_norm_clip=1.0, noise_multiplier=noise,

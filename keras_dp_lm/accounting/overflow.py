@@ -17,7 +17,7 @@ import numbers
 
 from scipy import stats
 
-__all__ = ["overflow_probability", "suggest_max_batch_size"]
+__all__ = ["overflow_probability", "poisson_count_cap", "suggest_max_batch_size"]
 
 
 def _check_int(name, value, minimum=1):
@@ -85,3 +85,28 @@ def suggest_max_batch_size(dataset_size, sampling_rate, steps, max_overflow_prob
     while size > 1 and overflow_probability(n, sampling_rate, size - 1, steps) <= max_overflow_probability:
         size -= 1
     return min(size, n)
+
+
+def poisson_count_cap(dataset_size, sampling_rate, steps, probability):
+    """A count that ``steps`` Poisson draws exceed with probability at most
+    ``probability`` (together), in closed form: Bernstein's tail bound for
+    ``Binomial(dataset_size + 1, sampling_rate)``,
+    ``P(X >= mu + t) <= exp(-t^2 / (2 (var + t / 3)))``, at ``probability /
+    steps`` per draw. Larger than :func:`suggest_max_batch_size` (a bound, not
+    the exact tail) and O(1) at any dataset size.
+
+    Example:
+        >>> poisson_count_cap(60000, 256 / 60000, steps=2000, probability=1e-9)
+        385
+    """
+    dataset_size = _check_int("dataset_size", dataset_size)
+    sampling_rate = _check_rate(sampling_rate)
+    steps = _check_int("steps", steps)
+    if not 0 < probability < 1:
+        raise ValueError(f"`probability` must be in (0, 1), got {probability!r}.")
+    n = dataset_size + 1
+    mean = n * sampling_rate
+    variance = mean * (1.0 - sampling_rate)
+    log_term = math.log(steps / probability)
+    t = log_term / 3.0 + math.sqrt(log_term ** 2 / 9.0 + 2.0 * log_term * variance)
+    return min(n, int(math.floor(mean + t)))

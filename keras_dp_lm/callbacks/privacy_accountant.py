@@ -25,7 +25,7 @@ from keras_dp_lm.accounting.events import as_event
 from keras_dp_lm.accounting.events import row_sampling_rate
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import ledger_events
-from keras_dp_lm.accounting.overflow import suggest_max_batch_size
+from keras_dp_lm.accounting.overflow import poisson_count_cap
 from keras_dp_lm.accounting.report import privacy_report
 from keras_dp_lm.accounting.report import privacy_statement
 from keras_dp_lm.training.ledger import ledger_of
@@ -242,8 +242,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         # A Poisson batch with more real examples than a draw at this rate
         # reaches once in 1e12 over a million steps was not drawn at it (e.g.
         # Poisson batches regrouped with unbatch().batch()): refused.
-        cap = (float(suggest_max_batch_size(self.dataset_size, rate, _CAP_STEPS,
-                                            _CAP_PROBABILITY))
+        cap = (float(poisson_count_cap(self.dataset_size, rate, _CAP_STEPS, _CAP_PROBABILITY))
                if sampling == "poisson" else 0.0)
         return {
             "optimizer": optimizer,
@@ -545,6 +544,20 @@ class PrivacyAccountant(keras.callbacks.Callback):
             extra_events=extra, target_epsilon=None,
             examples_per_user=self.examples_per_user,
             l2_norm_clip=config["l2_norm_clip"])
+        if len(rows) > 1:
+            # The headline is the training's whole ledger at delta, composed in
+            # one accountant (the call above read the earlier rows as extra
+            # releases, each at its own delta).
+            epsilons = {name: ledger_epsilon(rows, self.dataset_size, self.delta, name)
+                        for name in ("pld", "rdp")}
+            report.update(epsilon=epsilons[self.accountant], epsilon_pld=epsilons["pld"],
+                          epsilon_rdp=epsilons["rdp"], steps=sum(row[3] for row in rows))
+            report["epochs"] = sum(row[3] * row_sampling_rate(row, self.dataset_size)
+                                   for row in rows)
+            if not self.extra_events:
+                report.update(extras=[], total_epsilon=report["epsilon"],
+                              total_delta=self.delta, total_accountant=self.accountant,
+                              sum_epsilon=report["epsilon"], sum_delta=self.delta)
         report["target_epsilon"] = self.target_epsilon
         report["max_steps"] = self.max_steps
         report.update({

@@ -176,8 +176,11 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         q = tf.cast(sampling_rate, tf.float64)
         batch = tf.cast(real_batch, tf.float64)
         sigma_ok = (limits[0] <= 0) | (sigma >= limits[0] * (1 - 1e-12))
+        # a Poisson batch's real count: the accountant's cap, or its batch size
+        # when it accounts fixed-size batches (no cap)
+        cap = tf.where(limits[3] > 0, limits[3], limits[2])
         poisson_ok = (((limits[1] <= 0) | (q <= limits[1] * (1 + 1e-9)))
-                      & ((limits[3] <= 0) | (batch <= limits[3])))
+                      & ((cap <= 0) | (batch <= cap * (1 + 1e-9))))
         fixed_ok = (limits[2] <= 0) | (batch <= limits[2] * (1 + 1e-9))
         code = tf.constant(PRIVACY_UNITS[unit], tf.int64)
         held = tf.convert_to_tensor(self.unit.value)
@@ -217,26 +220,32 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.violations.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
 
 
+def _is_keras_hub_task(model):
+    return any(cls.__name__ == "Task" and cls.__module__.startswith(("keras_hub.", "keras_nlp."))
+               for cls in type(model).__mro__)
+
+
 def _ledger_holder(model):
     """The model whose weights the ledger describes: a KerasHub task's backbone
     (saved alone by ``save_to_preset``, shared by the tasks built on it), else
-    the model itself."""
+    the model itself (any other model with a ``backbone`` attribute keeps its
+    own: a shared public encoder is not charged with each head's updates)."""
+    if not _is_keras_hub_task(model):
+        return model
     try:
         backbone = getattr(model, "backbone", None)
     except Exception:  # a property that cannot answer yet
         backbone = None
-    if isinstance(backbone, keras.Model) and backbone is not model:
-        return _ledger_holder(backbone)
-    return model
+    return backbone if isinstance(backbone, keras.Model) and backbone is not model else model
 
 
 def ledger_of(model, create=True):
     """The :class:`PrivacyLedger` of ``model`` (created empty on first use).
 
-    A model with a ``backbone`` (a KerasHub task) keeps its ledger with the
-    backbone, so ``save_to_preset`` / ``from_preset`` (which save and load the
-    backbone's weights) carry it, and every task built on that backbone counts
-    the updates its weights received.
+    A KerasHub task keeps its ledger with its backbone, so ``save_to_preset``
+    / ``from_preset`` (which save and load the backbone's weights) carry it,
+    and every task built on that backbone counts the updates its weights
+    received.
 
     Example:
         >>> import keras, keras_dp_lm as kdp

@@ -729,11 +729,29 @@ def _symbolic_build_distributed_safe(self, iterator=None, data_batch=None):
         self._symbolic_build(data_batch=data_batch)
 
 
+_original_fit = internals.TensorFlowTrainer.fit
+
+
+@functools.wraps(_original_fit)
+def _fit_releasing_limits(self, *args, **kwargs):
+    """``fit``, after which the limits a :class:`PrivacyAccountant` registered
+    on the model's ledger are cleared also when the fit raised (Keras then
+    skips ``on_train_end``): stale limits would check, and record the rate
+    of, later fits that have no accountant."""
+    try:
+        return _original_fit(self, *args, **kwargs)
+    finally:
+        ledger = ledger_of(self, create=False)
+        if ledger is not None:
+            ledger.clear_limits()
+
+
 def install():
     """Patch ``keras.Model.compile`` so DP optimizers bind the DP step (idempotent).
 
     Also gives every model a ``dp_ledger`` property, so the privacy ledger is
     saved and loaded with the model's weights (``.keras``, ``.weights.h5``),
+    clears an accountant's limits after every ``fit`` (also one that raised),
     and works around Keras's distributed build failure (uneven replica
     shares, MultiWorkerMirroredStrategy).
     """
@@ -744,5 +762,7 @@ def install():
         trainer.dp_ledger = property(
             saved_ledger, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
     tf_trainer = internals.TensorFlowTrainer
+    if tf_trainer.fit is not _fit_releasing_limits:
+        tf_trainer.fit = _fit_releasing_limits
     if tf_trainer._maybe_symbolic_build is not _symbolic_build_distributed_safe:
         tf_trainer._maybe_symbolic_build = _symbolic_build_distributed_safe
