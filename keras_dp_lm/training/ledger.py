@@ -152,9 +152,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             raise ValueError(
                 "Two PrivacyAccountant callbacks in one fit: the model's ledger records "
                 "the updates at one accountant's sampling rate and the step checks one "
-                "set of limits. Pass a single PrivacyAccountant. (If an earlier fit "
-                "with another accountant was interrupted, call "
-                "keras_dp_lm.ledger_of(model).clear_limits() first.)")
+                "set of limits. Pass a single PrivacyAccountant.")
         self.limits.assign(np.array(
             [noise_multiplier, sampling_rate, batch_size, poisson_batch_cap],
             dtype="float64"))
@@ -221,7 +219,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
 
 
 def _is_keras_hub_task(model):
-    return any(cls.__name__ == "Task" and cls.__module__.startswith(("keras_hub.", "keras_nlp."))
+    return any(cls.__name__ == "Task"
+               and cls.__module__.startswith(("keras_hub.", "keras_nlp."))
                for cls in type(model).__mro__)
 
 
