@@ -1059,7 +1059,7 @@ def test_bfloat16_variables_get_float32_noise_rounded_only_after_it_is_added(cli
     model.compile(optimizer=optimizer, loss="mse", run_eagerly=True)  # the spy reads values
     # The noise the first update draws, in float32, from the same seed.
     expected = optimizer._noise_like(
-        [tf.zeros(v.shape, tf.float32) for v in model.trainable_variables], 0, 1)
+        [tf.zeros(v.shape, tf.float32) for v in model.trainable_variables], 0, 1, 0)
     received = []
     apply = optimizer.inner_optimizer.apply
 

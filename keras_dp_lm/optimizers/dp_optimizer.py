@@ -246,13 +246,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Std of the noise each replica adds so that the sum has ``sigma * C``."""
         return self.noise_multiplier * self.l2_norm_clip / math.sqrt(num_replicas)
 
-    def _noise_like(self, grads, replica_id, num_replicas, update_index=None):
+    def _noise_like(self, grads, replica_id, num_replicas, update_index):
         """Gaussian noise for each of ``grads``, from the seed folded with
         ``update_index`` (the model's ledger count: a recompiled optimizer with
-        the same ``seed`` continues the sequence, it never replays it; this
-        optimizer's own ``dp_updates`` when not given) and the replica."""
-        if update_index is None:
-            update_index = self.dp_updates.value
+        the same ``seed`` continues the sequence, it never replays it) and the
+        replica."""
         seed = tf.constant([self._noise_seed >> 31, self._noise_seed & 0x7FFFFFFF],
                            dtype=tf.int64)
         seed = tf.random.experimental.stateless_fold_in(
@@ -264,7 +262,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             stddev=stddev, dtype=grad.dtype) for index, grad in enumerate(grads)]
 
     def _apply_clipped_sum(self, clipped_sum, trainable_variables, local_batch_size,
-                           public_gradients=None, update_index=None):
+                           update_index, public_gradients=None):
         """Noise, normalise and apply a clipped per-example gradient sum.
 
         Called only by the DP train step, in replica context, once per logical
@@ -276,10 +274,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 their clipped gradients (no noise, not divided).
             trainable_variables: the variables the sum belongs to.
             local_batch_size: number of real examples this replica processed.
-            public_gradients: optional gradients of a data-independent term
-                (weight regularisation), added after the noised average.
             update_index: which update of the model this is (its ledger
                 count), folded into the noise seed.
+            public_gradients: optional gradients of a data-independent term
+                (weight regularisation), added after the noised average.
         """
         ctx = tf.distribute.get_replica_context()
         if ctx is None:

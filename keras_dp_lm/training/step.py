@@ -563,8 +563,8 @@ def dp_train_step(model, data):
         keep = tf.cast(ok, tf.float32)  # and under XLA, which drops asserts, it adds nothing
         grads = [g * tf.cast(keep, g.dtype) for g in result.grads]
         optimizer._apply_clipped_sum(grads, model.trainable_variables, local_size,
-                                     public_gradients=_regularization_gradients(model),
-                                     update_index=ledger.updates_so_far())
+                                     ledger.updates_so_far(),
+                                     public_gradients=_regularization_gradients(model))
         ledger.record(sigma, rate, real, ok, unit)
     # Mean loss per real unit (a user's weighted losses sum to its mean loss).
     internals.loss_tracker(model).update_state(
