@@ -174,6 +174,12 @@ def test_fixed_size_updates_keep_the_rate_they_were_accounted_at():
     assert later.report()["epsilon"] == pytest.approx(later.epsilon, rel=1e-9)
     assert later.report()["total_epsilon"] == pytest.approx(later.epsilon, rel=1e-9)
     assert later.report()["steps"] == 18
+    # group privacy over both rows: bounded by the costlier configuration for all 18
+    grouped = PrivacyAccountant(delta=DELTA, dataset_size=bigger, batch_size=B,
+                                examples_per_user=2, verbose=0)
+    grouped.set_model(model)
+    assert grouped.report()["user_level_epsilon"] == pytest.approx(
+        kdp.accounting.user_level_epsilon(0.8, B / N, 18, DELTA, 2), rel=1e-9)
 
 
 def test_poisson_batches_regrouped_after_sampling_are_refused():

@@ -28,6 +28,7 @@ from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.overflow import poisson_count_cap
 from keras_dp_lm.accounting.report import privacy_report
 from keras_dp_lm.accounting.report import privacy_statement
+from keras_dp_lm.accounting.user_level import user_level_epsilon
 from keras_dp_lm.training.ledger import ledger_of
 
 
@@ -558,6 +559,14 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 report.update(extras=[], total_epsilon=report["epsilon"],
                               total_delta=self.delta, total_accountant=self.accountant,
                               sum_epsilon=report["epsilon"], sum_delta=self.delta)
+            if self.examples_per_user is not None:
+                # group privacy of one configuration, bounded by the costliest:
+                # the smallest sigma and largest rate over all the updates
+                report["user_level_epsilon"] = user_level_epsilon(
+                    min(row[0] for row in rows),
+                    max(row_sampling_rate(row, self.dataset_size) for row in rows),
+                    sum(row[3] for row in rows), self.delta, self.examples_per_user,
+                    "group", self.accountant)
         report["target_epsilon"] = self.target_epsilon
         report["max_steps"] = self.max_steps
         report.update({
