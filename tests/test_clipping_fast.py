@@ -394,3 +394,90 @@ def test_coverage_report_and_restoration_after_error():
     assert not any("call" in layer.__dict__ for layer in model._flatten_layers())
     from keras_dp_lm.clipping import recording
     assert recording._INSTALLED == {}
+
+
+# ---------------------------------------------------------------------------
+# float32 rounding of ghost norms (review r24, R4)
+
+
+def _pooled_dense_model(dtype, T, D):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((T, D)), keras.layers.Dense(64, dtype=dtype),
+        keras.layers.GlobalAveragePooling1D(dtype=dtype),
+        keras.layers.Activation("tanh", dtype=dtype), keras.layers.Dense(2, dtype=dtype)])
+
+
+def _cancelling_inputs(kind, scale, B, T, D, seed=1):
+    """Activations whose per-example gradient cancels across positions."""
+    rng = np.random.default_rng(seed)
+    if kind == "centred":
+        x = scale * rng.normal(size=(B, T, D))
+        x = x - x.mean(axis=1, keepdims=True)
+    else:   # one direction with alternating signs: aligned dot products
+        sign = np.where(np.arange(T) % 2 == 0, 1.0, -1.0)[None, :, None]
+        x = (scale * rng.normal(size=(B, 1, D)) * sign
+             + 1e-3 * scale * rng.normal(size=(B, T, D)))
+    return x.astype("float32"), rng.normal(size=(B, 2)).astype("float32")
+
+
+@pytest.mark.parametrize("kind,scale,D", [("centred", 300.0, 64), ("centred", 1000.0, 64),
+                                          ("aligned", 100.0, 256)])
+def test_ghost_norm_rounding_cannot_lift_an_example_above_the_clip_norm(kind, scale, D):
+    """Large activations centred over positions, then pooled: the Gram-matrix
+    norm is a difference of large numbers that float32 reads up to ~10% low
+    (or negative). Each example's clip factor times its true (float64)
+    gradient norm must stay within C."""
+    B, T = 8, 16
+    x, y = _cancelling_inputs(kind, scale, B, T, D)
+    m32, m64 = _pooled_dense_model("float32", T, D), _pooled_dense_model("float64", T, D)
+    m64.set_weights([w.astype("float64") for w in m32.get_weights()])
+    true = []
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            out = m64(tf.constant(x[i:i + 1], tf.float64))
+            loss = tf.reduce_sum(tf.square(out - tf.constant(y[i:i + 1], tf.float64)))
+        grads = tape.gradient(loss, m64.trainable_variables)
+        true.append(np.sqrt(sum(float(tf.reduce_sum(g * g)) for g in grads)))
+    true = np.array(true)
+
+    def loss_fn(data):
+        xb, yb = data
+        return tf.reduce_sum(tf.square(m32(xb, training=True) - yb), axis=-1)
+
+    clip = 0.5 * float(true.min())   # every example clipped
+    result = fc.fast_clipped_sum(m32, loss_fn, (tf.constant(x), tf.constant(y)), clip,
+                                 method="fast")
+    factors = fc.clip_factors(result.norms, clip).numpy().astype("float64")
+    assert np.all(factors > 0)   # no example dropped for a negative reading
+    assert np.max(factors * true) <= clip * (1 + 1e-6), np.max(factors * true) / clip
+
+
+def test_ghost_norm_rounding_allowance_is_negligible_without_cancellation():
+    """Ordinary activations: the allowance is ~1e-5 of a squared norm."""
+    B, T, D = 8, 16, 64
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(B, T, D)).astype("float32")
+    y = rng.normal(size=(B, 2)).astype("float32")
+    model = _pooled_dense_model("float32", T, D)
+
+    def loss_fn(data):
+        xb, yb = data
+        return tf.reduce_sum(tf.square(model(xb, training=True) - yb), axis=-1)
+
+    result = fc.fast_clipped_sum(model, loss_fn, (tf.constant(x), tf.constant(y)), 1.0)
+    ratio = np.asarray(result.rounding) / np.asarray(result.norms) ** 2
+    assert np.all(ratio > 0) and np.all(ratio < 1e-4), ratio
+
+
+def test_tensor_float_32_on_a_gpu_is_counted_at_its_roundoff(monkeypatch):
+    from keras_dp_lm.clipping import ghost
+    assert ghost._unit_roundoff() == 2.0 ** -24     # this machine: CPU only
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: ["GPU:0"] if kind == "GPU" else [])
+    monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled",
+                        lambda: True)
+    assert ghost._unit_roundoff() == 2.0 ** -11
+    monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled",
+                        lambda: False)
+    assert ghost._unit_roundoff() == 2.0 ** -24

@@ -73,6 +73,7 @@ from keras_dp_lm.clipping.exact import per_example_gradients
 from keras_dp_lm.clipping.ghost import _Grams
 from keras_dp_lm.clipping.ghost import _choose
 from keras_dp_lm.clipping.ghost import _merge_lookups
+from keras_dp_lm.clipping.ghost import _rounding_allowance
 from keras_dp_lm.clipping.ghost import _sq_norm
 from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import UncoveredLayersError
@@ -119,14 +120,19 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
 
     Returns:
         :class:`ClippedSum` ``(grads, norms, losses, outputs, fast_norms,
-        exact)``: ``grads``
+        exact, rounding)``: ``grads``
         aligned with ``model.trainable_variables`` (clipped sum, no noise, not
         divided; zeros for variables the loss does not touch), ``norms``
         ``[B/k]`` per-user (per-example when ``k == 1``) global norms before
         clipping, ``losses`` ``[B]`` per example,
         ``outputs`` as described under ``loss_fn`` (else ``None``),
-        ``fast_norms`` the part of ``norms`` over the variables read by fast
-        rules, ``exact`` which variables fell back to exact gradients.
+        ``fast_norms`` the engine's float32 reading of the part of ``norms``
+        over the variables read by fast rules, ``exact`` which variables fell
+        back to exact gradients, ``rounding`` ``[B/k]`` the allowance for
+        float32 rounding added to the squared norms (``norms**2 =
+        fast_norms**2 + rounding + exact part``): a norm read from Gram
+        matrices is made an upper bound of the norm of the vector that
+        book-keeping sums (see ``ghost._rounding_allowance``).
 
     Raises:
         UncoveredLayersError: with ``method="fast"``, listing the layers and
@@ -193,6 +199,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     units = B // k   # users (examples when k == 1): the rows of norms and factors
     batch = None if rows is None else units
     sq = tf.zeros([units], tf.float32)
+    rounding = tf.zeros([units], tf.float32)
     grams = _Grams()
     decisions = {}
     per_example = {}   # id(var) -> [U, *var.shape]: clipped sum is sum_u c_u grad_u
@@ -208,8 +215,14 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         sq = sq + term
         if keep:
             per_example[key] = per
+        else:
+            # book-keeping sums a vector the norm was not read from
+            allowance = _rounding_allowance(contribs)
+            if allowance is not None:
+                rounding = rounding + allowance
 
     fast_sq = sq
+    sq = sq + rounding
     if exact:
         pe = per_example_gradients(loss_fn, data, exact, B)
         for v, g in zip(exact, pe):
@@ -257,4 +270,5 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         pass
     return ClippedSum(grads=grads, norms=norms, losses=losses, outputs=outputs,
                       fast_norms=tf.sqrt(fast_sq),
-                      exact=tuple(id(v) in exact_ids for v in plan.trainable))
+                      exact=tuple(id(v) in exact_ids for v in plan.trainable),
+                      rounding=rounding)

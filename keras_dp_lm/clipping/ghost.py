@@ -110,6 +110,18 @@ class _Linear:
         self.X, self.Y = group(self.X), group(self.Y)
         self.T = None if self.T is None else k * self.T
 
+    def magnitude(self):
+        """``sqrt(sum_{h,t} |X_t|^2 |Y_t|^2)`` per example: the scale of the
+        float32 rounding in this contribution's norm (:func:`_rounding_allowance`)."""
+        x2 = tf.reduce_sum(tf.square(self.X), axis=-1)
+        y2 = tf.reduce_sum(tf.square(self.Y), axis=-1)
+        return tf.sqrt(tf.reduce_sum(x2 * y2, axis=[1, 2]))
+
+    def depth(self):
+        """``sqrt(m) + sqrt(n) + T``: how many roundings add up in its norm."""
+        return (_or(self.m, 1024) ** 0.5 + _or(self.n, 1024) ** 0.5
+                + _or(self.T, _DEFAULT_T))
+
     def inst_cost(self):
         return _or(self.H, 1) * _or(self.T, _DEFAULT_T) * _or(self.m, 1) * _or(self.n, 1)
 
@@ -216,6 +228,13 @@ class _Lookup:
                                             tf.reshape(group, [-1]), B * T)
         return tf.reduce_sum(tf.reshape(tf.square(sums), [B, -1]), axis=1)
 
+    def magnitude(self):
+        """``sqrt(sum_t |g_t|^2)`` per example (a one-hot row has norm 1)."""
+        return tf.sqrt(tf.reduce_sum(tf.square(self.G), axis=[1, 2]))
+
+    def depth(self):
+        return _or(self.d, 1024) ** 0.5 + _or(self.T, _DEFAULT_T)
+
     def inst_cost(self):
         return _or(self.T, _DEFAULT_T) * _or(self.d, 1)
 
@@ -252,6 +271,13 @@ class _PerExample:
     def regroup(self, k):
         """``[B, ...] -> [B/k, ...]``: the sum of each user's ``k`` rows."""
         self.P = sum_user_rows(self.P, k)
+
+    def magnitude(self):
+        """None: its norm is that of exactly the vector summed (no Gram)."""
+        return None
+
+    def depth(self):
+        return 0.0
 
     def inst_cost(self):
         return _prod([_static(s) for s in self.var.shape]) or 1
@@ -423,6 +449,48 @@ def _sq_norm(contribs, choice, grams):
         per = per + c.instantiate()
     per = tf.cast(per, tf.float32)
     return _sum_except_batch(tf.square(per)), per
+
+
+def _unit_roundoff():
+    """The unit roundoff of the float32 matmuls behind ghost norms: 2^-24, or
+    2^-11 where TensorFloat-32 may round their inputs (TF's default on
+    Ampere and newer GPUs)."""
+    if (tf.config.experimental.tensor_float_32_execution_enabled()
+            and tf.config.list_logical_devices("GPU")):
+        return 2.0 ** -11
+    return 2.0 ** -24
+
+
+# Safety factor over the rounding model of _rounding_allowance (measured in
+# tests/test_clipping_fast.py: on centred, aligned and positive activations
+# the largest float32 error seen is below 1/6 of the allowance).
+_ROUNDING_SAFETY = 2.0
+
+
+def _rounding_allowance(contribs):
+    """``[B]`` added to a variable's squared norm so that it bounds the norm
+    of the per-example gradient book-keeping sums, not only its float32
+    reading; ``None`` when that reading is of exactly the vector summed.
+
+    A ghost norm ``sum_{t,s} (x_t.x_s)(y_t.y_s)`` is a difference of large
+    numbers where the gradient cancels across positions (large activations
+    centred over a sequence, then pooled): float32 then reads it ~1% low, and
+    such an example would move the weights by ~1.01 C. Each dot product of
+    length ``L`` is off by about ``u sqrt(L) |x_t| |x_s|`` and the ``T x T``
+    terms add up, so the squared norm is off by about
+    ``u (sqrt(m) + sqrt(n) + T) (sum_c |X_c| |Y_c|)^2`` where
+    ``|X_c| |Y_c| = sqrt(sum_t |x_t|^2 |y_t|^2)`` of each contribution ``c``;
+    this is that, times :data:`_ROUNDING_SAFETY`. Usually ~1e-5 of the norm.
+    """
+    scales = [c.magnitude() for c in contribs]
+    scales = [s for s in scales if s is not None]
+    if not scales:
+        return None
+    depth = max(c.depth() for c in contribs)
+    total = scales[0]
+    for s in scales[1:]:
+        total = total + s
+    return (_ROUNDING_SAFETY * _unit_roundoff() * depth) * tf.square(total)
 
 
 def _static_linear(H, m, n, T, B):

@@ -14,8 +14,9 @@ import os
 import tensorflow as tf
 
 ClippedSum = collections.namedtuple(
-    "ClippedSum", ["grads", "norms", "losses", "outputs", "fast_norms", "exact"],
-    defaults=(None, None, None))
+    "ClippedSum", ["grads", "norms", "losses", "outputs", "fast_norms", "exact",
+                   "rounding"],
+    defaults=(None, None, None, None))
 ClippedSum.__doc__ = """Result of per-example clipping.
 
 grads: list aligned with the variables: sum_i clip(g_i) (no noise, not divided).
@@ -26,6 +27,9 @@ fast_norms: [B] the part of ``norms`` over the variables fast rules read (None
     from the exact engine).
 exact: bools aligned with the variables, True where the engine took exact
     per-example gradients (None from the exact engine).
+rounding: [B] the float32 rounding allowance included in ``norms**2`` (the
+    fast engine's norms read from Gram matrices are made upper bounds of the
+    norms of the vectors summed); None from the exact engine.
 """
 
 
