@@ -211,6 +211,28 @@ def test_poisson_batches_regrouped_after_sampling_are_refused():
     assert kdp.ledger_of(fresh).updates == 40
 
 
+def test_poisson_batches_regrouped_below_the_cap_are_refused_within_a_few_updates():
+    """Review finding (r30, N2): Poisson draws regrouped into batches of a few
+    times the expected count, still below the one-batch cap, trained 289
+    updates of 69 real rows reported at 2.16 for ~8.06 spent. The running total
+    of real examples is now checked too: refused after a few updates; honest
+    draws over a long fit are not."""
+    q = 0.05  # expected 3.25 real examples per draw, one-batch cap 38
+    batches = kdp.data.poisson_batches((X, Y), q, N, seed=0, num_steps=200)
+    regrouped = batches.unbatch().filter(
+        lambda x, y, sw: sw[kdp.data.poisson.REAL_SLOTS_KEY] > 0).batch(12)
+    model = make_model(expected_batch_size=q * N)
+    with pytest.raises(Exception, match="exceeded|refused"):
+        model.fit(regrouped, verbose=0, callbacks=[
+            PrivacyAccountant(delta=DELTA, batches=batches, verbose=0)])
+    refused_at = kdp.ledger_of(model).updates   # updates applied before the refusal
+    assert 2 <= refused_at <= 10, refused_at
+    honest = make_model(expected_batch_size=q * N)
+    honest.fit(batches, epochs=3, verbose=0, callbacks=[
+        PrivacyAccountant(delta=DELTA, batches=batches, verbose=0)])
+    assert kdp.ledger_of(honest).updates == 600
+
+
 def test_two_accountants_in_one_fit_are_refused():
     """Review finding: two accountants shared the ledger's limits and the last
     registered one won: the one with target epsilon 2 let training reach 3.59."""

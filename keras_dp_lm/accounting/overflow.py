@@ -17,7 +17,8 @@ import numbers
 
 from scipy import stats
 
-__all__ = ["overflow_probability", "poisson_count_cap", "suggest_max_batch_size"]
+__all__ = ["bernstein_excess", "overflow_probability", "poisson_count_cap",
+           "suggest_max_batch_size"]
 
 
 def _check_int(name, value, minimum=1):
@@ -107,6 +108,18 @@ def poisson_count_cap(dataset_size, sampling_rate, steps, probability):
     n = dataset_size + 1
     mean = n * sampling_rate
     variance = mean * (1.0 - sampling_rate)
-    log_term = math.log(steps / probability)
-    t = log_term / 3.0 + math.sqrt(log_term ** 2 / 9.0 + 2.0 * log_term * variance)
+    t = bernstein_excess(variance, math.log(steps / probability))
     return min(n, int(math.floor(mean + t)))
+
+
+def bernstein_excess(variance, log_term, sqrt=math.sqrt):
+    """The ``t`` at which Bernstein's bound ``exp(-t^2 / (2 (variance + t / 3)))``
+    for a sum of independent Bernoulli draws equals ``exp(-log_term)``.
+
+    ``sqrt`` lets the traced DP step evaluate it on tensors (``tf.sqrt``).
+
+    Example:
+        >>> round(bernstein_excess(100.0, 20.0), 2)
+        70.26
+    """
+    return log_term / 3.0 + sqrt(log_term ** 2 / 9.0 + 2.0 * log_term * variance)

@@ -259,6 +259,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
             "sampling_source": sampling_source,
             "steps_per_execution": int(spe),
             "poisson_batch_cap": cap,
+            "poisson_mean": (self.dataset_size + 1) * rate if sampling == "poisson" else 0.0,
         }
 
     def _rows(self):
@@ -355,7 +356,8 @@ class PrivacyAccountant(keras.callbacks.Callback):
             noise_multiplier=config["noise_multiplier"],
             sampling_rate=config["sampling_rate"],
             batch_size=config["batch_size"],
-            poisson_batch_cap=config["poisson_batch_cap"], owner=self)
+            poisson_batch_cap=config["poisson_batch_cap"],
+            poisson_mean=config["poisson_mean"], owner=self)
 
     # -- Keras hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -390,7 +392,11 @@ class PrivacyAccountant(keras.callbacks.Callback):
             self.model.stop_training = True
             raise ValueError(
                 "A batch exceeded what PrivacyAccountant assumes (more real examples, "
-                "a higher sampling rate or a smaller noise multiplier), or the model "
+                "a higher sampling rate or a smaller noise multiplier; or Poisson "
+                "batches whose running total of real examples no Poisson draws at "
+                "this rate reach: batches regrouped after sampling, e.g. with "
+                "unbatch().batch(), are not Poisson draws, and the epsilon of the "
+                "updates before this one is not what the ledger reports), or the model "
                 "mixes examples (refused for fast clipping; use clipping='exact'); it "
                 "was refused and contributed nothing. Assumed: batch_size="
                 f"{self._config['batch_size']:g} ({self._config['batch_size_source']}), "

@@ -46,11 +46,16 @@ import numpy as np
 import keras
 import tensorflow as tf
 
+from keras_dp_lm.accounting.overflow import bernstein_excess
 from keras_dp_lm.training import keras_internals
 
 MAX_ROWS = 32
 _COLUMNS = 4  # sigma, q, max real batch, updates
 PRIVACY_UNITS = {"example": 1, "user": 2}  # the ledger's unit code (0: no update yet)
+_LIMITS = 5
+# The running total of Poisson batches' real counts is refused above a bound
+# that honest draws exceed with probability at most 1e-12 over 1e6 checks.
+_CUMULATIVE_LOG_TERM = float(np.log(1e6 / 1e-12))
 
 
 class PrivacyLedger(keras_internals.KerasSaveable):
@@ -68,11 +73,16 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 0, dtype="int64", trainable=False, name="dp_ledger_rows",
                 aggregation="only_first_replica")
             # Accounted limits: (smallest sigma, largest q, largest real batch of
-            # a fixed-size batch, largest real batch of a Poisson batch); 0 means
-            # "not checked".
+            # a fixed-size batch, largest real batch of a Poisson batch, expected
+            # real count of a Poisson batch); 0 means "not checked".
             self.limits = keras.Variable(
-                np.zeros((4,)), dtype="float64", trainable=False,
+                np.zeros((_LIMITS,)), dtype="float64", trainable=False,
                 name="dp_ledger_limits", aggregation="only_first_replica")
+            # Poisson batches checked under the current limits: (updates, real
+            # examples), for the check of their running total.
+            self.poisson_seen = keras.Variable(
+                np.zeros((2,)), dtype="float64", trainable=False,
+                name="dp_ledger_poisson_seen", aggregation="only_first_replica")
             self.violations = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_violations",
                 aggregation="only_first_replica")
@@ -136,12 +146,18 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         return tf.cast(tf.reduce_sum(table[:, 3]), tf.int64)
 
     def set_limits(self, noise_multiplier=0.0, sampling_rate=0.0, batch_size=0.0,
-                   poisson_batch_cap=0.0, owner=None):
+                   poisson_batch_cap=0.0, poisson_mean=0.0, owner=None):
         """Parameters the accountant assumes; the step refuses batches beyond them.
 
         ``poisson_batch_cap``: the most real examples a Poisson batch at
         ``sampling_rate`` may hold (a draw larger than it has negligible
-        probability; a batch regrouped after sampling is refused). ``owner``:
+        probability; a batch regrouped after sampling is refused).
+        ``poisson_mean``: the expected real count of such a draw,
+        ``(dataset_size + 1) * sampling_rate``: the running total of the
+        Poisson batches checked since these limits were set is refused once
+        it exceeds what as many draws reach with probability 1e-12 (batches
+        regrouped to below the cap, a few times the mean, are refused after a
+        few updates; the ones before were not Poisson draws). ``owner``:
         the registering accountant; while another one is in a fit with its
         limits registered, a second one is refused (the ledger records one
         accountant's rate, and the step checks one set of limits).
@@ -154,15 +170,17 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 "the updates at one accountant's sampling rate and the step checks one "
                 "set of limits. Pass a single PrivacyAccountant.")
         self.limits.assign(np.array(
-            [noise_multiplier, sampling_rate, batch_size, poisson_batch_cap],
+            [noise_multiplier, sampling_rate, batch_size, poisson_batch_cap, poisson_mean],
             dtype="float64"))
+        self.poisson_seen.assign(np.zeros((2,)))
         self.violations.assign(0)
         if owner is not None:
             self._limits_owner = weakref.ref(owner)
 
     def clear_limits(self):
         """Forget the registered limits (and their accountant)."""
-        self.limits.assign(np.zeros((4,)))
+        self.limits.assign(np.zeros((_LIMITS,)))
+        self.poisson_seen.assign(np.zeros((2,)))
         self._limits_owner = None
 
     # -- writing (inside the traced step) -------------------------------------
@@ -178,12 +196,25 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         # when it accounts fixed-size batches (no cap)
         cap = tf.where(limits[3] > 0, limits[3], limits[2])
         poisson_ok = (((limits[1] <= 0) | (q <= limits[1] * (1 + 1e-9)))
-                      & ((cap <= 0) | (batch <= cap * (1 + 1e-9))))
+                      & ((cap <= 0) | (batch <= cap * (1 + 1e-9)))
+                      & self._running_total_ok(batch))
         fixed_ok = (limits[2] <= 0) | (batch <= limits[2] * (1 + 1e-9))
         code = tf.constant(PRIVACY_UNITS[unit], tf.int64)
         held = tf.convert_to_tensor(self.unit.value)
         unit_ok = tf.equal(held, 0) | tf.equal(held, code)
         return sigma_ok & unit_ok & tf.where(q > 0, poisson_ok, fixed_ok)
+
+    def _running_total_ok(self, batch):
+        """The Poisson batches checked so far plus this one hold no more real
+        examples than as many draws at the accountant's rate reach with
+        probability 1e-12 (``Binomial(n (N + 1), q)``, Bernstein's bound)."""
+        limits = tf.convert_to_tensor(self.limits.value)
+        seen = tf.convert_to_tensor(self.poisson_seen.value)
+        mean, q = limits[4], limits[1]
+        updates = seen[0] + 1.0
+        bound = updates * mean + bernstein_excess(
+            updates * mean * (1.0 - q), _CUMULATIVE_LOG_TERM, sqrt=tf.sqrt)
+        return (mean <= 0) | (seen[1] + batch <= bound * (1 + 1e-9))
 
     def record(self, noise_multiplier, sampling_rate, real_batch, ok, unit="example"):
         """Append one update (branch-free, so it runs in replica context and XLA)."""
@@ -216,6 +247,10 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.table.assign(table)
         self.num_rows.assign(tf.where(into_last, rows, rows + 1))
         self.violations.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
+        counted = ok & (tf.cast(sampling_rate, tf.float64) > 0)
+        self.poisson_seen.assign_add(tf.where(
+            counted, tf.stack([tf.constant(1.0, tf.float64), batch]),
+            tf.zeros([2], tf.float64)))
 
 
 def _is_keras_hub_task(model):
