@@ -241,3 +241,58 @@ def test_fast_and_exact_clipping_give_the_same_fit_update(accumulation):
     assert max_relative_error(weights[1], weights[0]) < 1e-5
     # the fast path's reused forward pass gives the metrics the exact path gives
     assert accuracies[1] == pytest.approx(accuracies[0], abs=1e-6)
+
+
+class HeadBuiltOnFirstCall(keras.Model):
+    """A subclassed model whose head has no variables until it is first called."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.head(self.encoder(x))
+
+
+@pytest.mark.parametrize("clipping,feed", [("fast", "arrays"), ("exact", "arrays"),
+                                           ("fast", "poisson"), ("fast", "train_on_batch")])
+def test_a_model_first_built_by_fit_trains(clipping, feed):
+    """Review side finding: a subclassed model never called before ``fit`` (Keras
+    builds it in the train function's first trace) crashed: the independence
+    probe created the head's variables in its own trace (IndexError), and exact
+    clipping met variables its optimizer did not know. The DP model is now built
+    from the dataset's element spec before the probe and the step, drawing no
+    batch: the Poisson batches trained are those drawn without the build."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 2, 32)
+
+    def compiled(model):
+        model.compile(optimizer=kdp.DPSGD(0.05, l2_norm_clip=1.0, noise_multiplier=0.0,
+                                          clipping=clipping, expected_batch_size=8),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def poisson():
+        return kdp.data.poisson_batches((x, y), 0.25, 32, seed=3, num_steps=3)
+
+    keras.utils.set_random_seed(0)
+    model = compiled(HeadBuiltOnFirstCall())
+    if feed == "arrays":
+        model.fit(x, y, batch_size=16, verbose=0)
+        updates = 2
+    elif feed == "train_on_batch":
+        model.train_on_batch(x[:16], y[:16])
+        updates = 1
+    else:
+        model.fit(poisson(), verbose=0)
+        updates = 3
+        # it trained on the draws a model built before fit trains on: none consumed
+        keras.utils.set_random_seed(0)
+        built = HeadBuiltOnFirstCall()
+        built(x[:1])
+        compiled(built).fit(poisson(), verbose=0)
+        for a, b in zip(model.get_weights(), built.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert len(model.trainable_variables) == 4
+    assert kdp.ledger_of(model).updates == updates

@@ -69,3 +69,11 @@ def loss_tracker(model):
 
 def flatten_layers(model, include_self=False):
     return list(model._flatten_layers(include_self=include_self, recursive=True))
+
+
+def epoch_iterator_element_spec(iterator):
+    """The element spec of the dataset a Keras ``TFEpochIterator`` reads, or
+    None; read without iterating (a fresh iterator over a generator-backed
+    dataset would draw from it)."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    return getattr(dataset, "element_spec", None)

@@ -22,6 +22,7 @@ bound for them.
 """
 
 import collections
+import contextlib
 import functools
 import itertools
 import types
@@ -711,22 +712,42 @@ def _symbolic_build_distributed_safe(self, iterator=None, data_batch=None):
     ("Attempt to convert a value (PerReplica...)"), even for plain Adam, and
     under any strategy when the replicas' shares differ in size (a Poisson
     batch of 21 rows on 2 replicas). Build from the first local replica's
-    batch instead, without its real-slot marks: only shapes matter."""
+    batch instead, without its real-slot marks: only shapes matter.
+
+    Without a strategy Keras builds a model lazily, in its train function's
+    first trace; a DP model with layers not yet built (a subclassed model
+    never called before ``fit``) is built here instead, before the
+    independence probe (which would create the variables in a trace of its
+    own), from the dataset's element spec: no batch is drawn."""
     strategy = self._distribute_strategy
-    if strategy is None or iterator is None:
+    if strategy is None:
+        if not _unbuilt_dp_model(self):
+            return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+        if iterator is not None:
+            data_batch = internals.epoch_iterator_element_spec(iterator)
+        if data_batch is None:
+            return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+    elif iterator is None:
         return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-    for _, _, it in iterator:
-        batch = next(it)
-        data_batch = tree.map_structure(
-            lambda v: strategy.experimental_local_results(v)[0]
-            if isinstance(v, tf.distribute.DistributedValues) else v, batch)
-        break
+    else:
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = tree.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues) else v, batch)
+            break
     # Keras computes the loss on it: hand it the loss's own sample_weight,
     # not the real-slot marks.
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
     data_batch = keras.utils.pack_x_y_sample_weight(x, y, split_real_slots(sample_weight)[2])
-    with strategy.scope():
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
         self._symbolic_build(data_batch=data_batch)
+
+
+def _unbuilt_dp_model(model):
+    """A model with a DP optimizer and layers not built yet."""
+    return is_dp_optimizer(getattr(model, "optimizer", None)) and not all(
+        layer.built for layer in internals.flatten_layers(model, include_self=True))
 
 
 _original_fit = internals.TensorFlowTrainer.fit
