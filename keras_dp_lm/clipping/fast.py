@@ -217,7 +217,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
             per_example[key] = per
         else:
             # book-keeping sums a vector the norm was not read from
-            allowance = _rounding_allowance(contribs)
+            allowance = _rounding_allowance(contribs, grams)
             if allowance is not None:
                 rounding = rounding + allowance
 

@@ -110,11 +110,10 @@ class _Linear:
         self.X, self.Y = group(self.X), group(self.Y)
         self.T = None if self.T is None else k * self.T
 
-    def magnitude(self):
+    def magnitude(self, grams):
         """``sqrt(sum_{h,t} |X_t|^2 |Y_t|^2)`` per example: the scale of the
         float32 rounding in this contribution's norm (:func:`_rounding_allowance`)."""
-        x2 = tf.reduce_sum(tf.square(self.X), axis=-1)
-        y2 = tf.reduce_sum(tf.square(self.Y), axis=-1)
+        x2, y2 = grams.row_norms(self.X), grams.row_norms(self.Y)
         return tf.sqrt(tf.reduce_sum(x2 * y2, axis=[1, 2]))
 
     def depth(self):
@@ -228,9 +227,9 @@ class _Lookup:
                                             tf.reshape(group, [-1]), B * T)
         return tf.reduce_sum(tf.reshape(tf.square(sums), [B, -1]), axis=1)
 
-    def magnitude(self):
+    def magnitude(self, grams):
         """``sqrt(sum_t |g_t|^2)`` per example (a one-hot row has norm 1)."""
-        return tf.sqrt(tf.reduce_sum(tf.square(self.G), axis=[1, 2]))
+        return tf.sqrt(tf.reduce_sum(grams.row_norms(self.G), axis=1))
 
     def depth(self):
         return _or(self.d, 1024) ** 0.5 + _or(self.T, _DEFAULT_T)
@@ -272,7 +271,7 @@ class _PerExample:
         """``[B, ...] -> [B/k, ...]``: the sum of each user's ``k`` rows."""
         self.P = sum_user_rows(self.P, k)
 
-    def magnitude(self):
+    def magnitude(self, grams):
         """None: its norm is that of exactly the vector summed (no Gram)."""
         return None
 
@@ -308,8 +307,15 @@ class _Grams:
 
     def __init__(self):
         self._cache = {}
+        self._own = {}   # id(t) -> (t, t t^T): the self-Gram of one tensor object
 
     def get(self, key_a, a, key_b, b):
+        gram = self._get(key_a, a, key_b, b)
+        if a is b:
+            self._own[id(a)] = (a, gram)
+        return gram
+
+    def _get(self, key_a, a, key_b, b):
         if key_a is not None and key_b is not None:
             key = (key_a, key_b) if str(key_a) <= str(key_b) else (key_b, key_a)
             swap = key != (key_a, key_b)
@@ -320,6 +326,14 @@ class _Grams:
         if key_a is not None and key_b is not None:
             self._cache[key] = tf.linalg.matrix_transpose(gram) if swap else gram
         return gram
+
+    def row_norms(self, t):
+        """``|t[..., i, :]|^2``: the diagonal of ``t``'s Gram matrix if one was
+        formed, else one contraction (no temporary of ``t``'s size)."""
+        own = self._own.get(id(t))
+        if own is not None and own[0] is t:
+            return tf.linalg.diag_part(own[1])
+        return tf.einsum("...i,...i->...", t, t)
 
 
 def _sorts_ids():
@@ -467,7 +481,7 @@ def _unit_roundoff():
 _ROUNDING_SAFETY = 2.0
 
 
-def _rounding_allowance(contribs):
+def _rounding_allowance(contribs, grams):
     """``[B]`` added to a variable's squared norm so that it bounds the norm
     of the per-example gradient book-keeping sums, not only its float32
     reading; ``None`` when that reading is of exactly the vector summed.
@@ -482,7 +496,7 @@ def _rounding_allowance(contribs):
     ``|X_c| |Y_c| = sqrt(sum_t |x_t|^2 |y_t|^2)`` of each contribution ``c``;
     this is that, times :data:`_ROUNDING_SAFETY`. Usually ~1e-5 of the norm.
     """
-    scales = [c.magnitude() for c in contribs]
+    scales = [c.magnitude(grams) for c in contribs]
     scales = [s for s in scales if s is not None]
     if not scales:
         return None
