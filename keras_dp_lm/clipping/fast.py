@@ -64,6 +64,7 @@ import weakref
 import tensorflow as tf
 
 from keras_dp_lm.clipping._common import _as_float
+from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _static
 from keras_dp_lm.clipping._common import _sum_except_batch
 from keras_dp_lm.clipping._common import _var_path
@@ -74,6 +75,7 @@ from keras_dp_lm.clipping.ghost import _Grams
 from keras_dp_lm.clipping.ghost import _choose
 from keras_dp_lm.clipping.ghost import _merge_lookups
 from keras_dp_lm.clipping.ghost import _rounding_allowance
+from keras_dp_lm.clipping.ghost import _unit_roundoff
 from keras_dp_lm.clipping.ghost import _sq_norm
 from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import UncoveredLayersError
@@ -215,9 +217,13 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         sq = sq + term
         if keep:
             per_example[key] = per
+            # its norm is that of the vector summed; the float32 sum of
+            # squares over the last axis is off by at most its length
+            length = _static(per.shape[-1]) if per.shape.rank > 1 else 1
+            rounding = rounding + (_unit_roundoff() * (_or(length, 2**16) + 8)) * term
         else:
             # book-keeping sums a vector the norm was not read from
-            allowance = _rounding_allowance(contribs, grams)
+            allowance = _rounding_allowance(contribs, grams, term)
             if allowance is not None:
                 rounding = rounding + allowance
 

@@ -17,7 +17,6 @@ from keras_dp_lm.clipping._common import _in_xla
 from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _prod
 from keras_dp_lm.clipping._common import _static
-from keras_dp_lm.clipping._common import _sum_except_batch
 from keras_dp_lm.clipping._common import _weighted_sum
 from keras_dp_lm.clipping.interface import scale_examples
 from keras_dp_lm.clipping.interface import sum_user_rows
@@ -111,15 +110,15 @@ class _Linear:
         self.T = None if self.T is None else k * self.T
 
     def magnitude(self, grams):
-        """``sqrt(sum_{h,t} |X_t|^2 |Y_t|^2)`` per example: the scale of the
-        float32 rounding in this contribution's norm (:func:`_rounding_allowance`)."""
+        """``sum_{h,t} |X_t| |Y_t|`` per example: a bound on the norm of its
+        per-example gradient and the scale of the float32 rounding in it
+        (:func:`_rounding_allowance`)."""
         x2, y2 = grams.row_norms(self.X), grams.row_norms(self.Y)
-        return tf.sqrt(tf.reduce_sum(x2 * y2, axis=[1, 2]))
+        return tf.reduce_sum(tf.sqrt(x2 * y2), axis=[1, 2])
 
     def depth(self):
-        """``sqrt(m) + sqrt(n) + T``: how many roundings add up in its norm."""
-        return (_or(self.m, 1024) ** 0.5 + _or(self.n, 1024) ** 0.5
-                + _or(self.T, _DEFAULT_T))
+        """``m + n + 2 T``: the lengths of the float32 sums behind its norm."""
+        return _or(self.m, 2**16) + _or(self.n, 2**16) + 2 * _or(self.T, 2**16)
 
     def inst_cost(self):
         return _or(self.H, 1) * _or(self.T, _DEFAULT_T) * _or(self.m, 1) * _or(self.n, 1)
@@ -210,7 +209,7 @@ class _Lookup:
         the ``[V, d]`` gradient nor a ``T x T`` Gram matrix is formed.
         """
         if self.distinct:
-            return tf.reduce_sum(tf.square(self.G), axis=[1, 2])
+            return _sum_squares(self.G)
         ids = self.ids
         shape = tf.shape(ids)
         B = _or(_static(ids.shape[0]), shape[0])
@@ -225,14 +224,14 @@ class _Lookup:
         group = group + tf.range(B, dtype=tf.int32)[:, None] * T
         sums = tf.math.unsorted_segment_sum(tf.reshape(self.G, [-1, self.d]),
                                             tf.reshape(group, [-1]), B * T)
-        return tf.reduce_sum(tf.reshape(tf.square(sums), [B, -1]), axis=1)
+        return _sum_squares(tf.reshape(sums, [B, -1, self.d]))
 
     def magnitude(self, grams):
-        """``sqrt(sum_t |g_t|^2)`` per example (a one-hot row has norm 1)."""
-        return tf.sqrt(tf.reduce_sum(grams.row_norms(self.G), axis=1))
+        """``sum_t |g_t|`` per example (a one-hot row has norm 1)."""
+        return tf.reduce_sum(tf.sqrt(grams.row_norms(self.G)), axis=1)
 
     def depth(self):
-        return _or(self.d, 1024) ** 0.5 + _or(self.T, _DEFAULT_T)
+        return _or(self.d, 2**16) + 2 * _or(self.T, 2**16)
 
     def inst_cost(self):
         return _or(self.T, _DEFAULT_T) * _or(self.d, 1)
@@ -276,7 +275,7 @@ class _PerExample:
         return None
 
     def depth(self):
-        return 0.0
+        return 0
 
     def inst_cost(self):
         return _prod([_static(s) for s in self.var.shape]) or 1
@@ -387,18 +386,18 @@ def _inner(a, b, grams):
     if a.kind == "linear" and b.kind == "linear":
         xx = grams.get(a.keys[0], a.X, b.keys[0], b.X)
         yy = grams.get(a.keys[1], a.Y, b.keys[1], b.Y)
-        return tf.reduce_sum(xx * yy, axis=[1, 2, 3])
+        return _contract(xx, yy)
     if a.kind == "lookup" and b.kind == "lookup":
         if a is b and (a.distinct or _sorts_ids()):
             return a.self_norm()
         same = tf.cast(tf.equal(a.ids[:, :, None], b.ids[:, None, :]), a.G.dtype)
-        return tf.reduce_sum(same * tf.matmul(a.G, b.G, transpose_b=True), axis=[1, 2])
+        return _contract(same, tf.matmul(a.G, b.G, transpose_b=True))
     lin, lk = (a, b) if a.kind == "linear" else (b, a)
     # <sum_t e_{id_t} g_t^T, sum_s x_s h_s^T> = sum_{t,s} x_s[id_t] (g_t . h_s)
     x = lin.X[:, 0]                                            # [B, S, V]
     h = lin.Y[:, 0]                                            # [B, S, d]
     picked = tf.gather(x, lk.ids, axis=2, batch_dims=1)        # [B, S, T]
-    return tf.reduce_sum(picked * tf.matmul(h, lk.G, transpose_b=True), axis=[1, 2])
+    return _contract(picked, tf.matmul(h, lk.G, transpose_b=True))
 
 
 def _merge_lookups(contribs):
@@ -462,7 +461,7 @@ def _sq_norm(contribs, choice, grams):
     for c in contribs[1:]:
         per = per + c.instantiate()
     per = tf.cast(per, tf.float32)
-    return _sum_except_batch(tf.square(per)), per
+    return tf.cast(_sum_squares(per), tf.float32), per
 
 
 def _unit_roundoff():
@@ -475,36 +474,68 @@ def _unit_roundoff():
     return 2.0 ** -24
 
 
-# Safety factor over the rounding model of _rounding_allowance (measured in
-# tests/test_clipping_fast.py: on centred, aligned and positive activations
-# the largest float32 error seen is below 1/6 of the allowance).
-_ROUNDING_SAFETY = 2.0
+def _exact_sums():
+    """Whether the sums of products below run in float64 (not on TPUs, which
+    have no float64: there their length counts in the allowance)."""
+    return not tf.config.list_logical_devices("TPU")
 
 
-def _rounding_allowance(contribs, grams):
+def _contract(a, b):
+    """``sum_{...} a * b`` per example (all axes but the first): in float64,
+    where the products of float32 values are exact and ``T^2`` terms add no
+    error worth counting."""
+    axes = list(range(1, a.shape.rank))
+    if _exact_sums():
+        return tf.reduce_sum(tf.cast(a, tf.float64) * tf.cast(b, tf.float64), axis=axes)
+    return tf.reduce_sum(a * b, axis=axes)
+
+
+def _sum_squares(t):
+    """``sum t^2`` per example: over the last axis in float32 (an error of at
+    most its length in roundings, counted in the allowance), the rest in
+    float64."""
+    last = tf.reduce_sum(tf.square(tf.cast(t, tf.float32)), axis=-1)
+    if _exact_sums():
+        last = tf.cast(last, tf.float64)
+    axes = list(range(1, last.shape.rank))
+    return tf.reduce_sum(last, axis=axes) if axes else last
+
+
+def _rounding_allowance(contribs, grams, sq_norm):
     """``[B]`` added to a variable's squared norm so that it bounds the norm
     of the per-example gradient book-keeping sums, not only its float32
     reading; ``None`` when that reading is of exactly the vector summed.
 
     A ghost norm ``sum_{t,s} (x_t.x_s)(y_t.y_s)`` is a difference of large
-    numbers where the gradient cancels across positions (large activations
-    centred over a sequence, then pooled): float32 then reads it ~1% low, and
-    such an example would move the weights by ~1.01 C. Each dot product of
-    length ``L`` is off by about ``u sqrt(L) |x_t| |x_s|`` and the ``T x T``
-    terms add up, so the squared norm is off by about
-    ``u (sqrt(m) + sqrt(n) + T) (sum_c |X_c| |Y_c|)^2`` where
-    ``|X_c| |Y_c| = sqrt(sum_t |x_t|^2 |y_t|^2)`` of each contribution ``c``;
-    this is that, times :data:`_ROUNDING_SAFETY`. Usually ~1e-5 of the norm.
+    numbers where the gradient cancels across positions; float32 then reads
+    it low, or negative, and rounding errors can be made to add up
+    coherently by a crafted record (review r31: 6.9 C through ``fit``). So
+    the allowance is a worst-case bound, not a model of typical errors: a
+    float32 dot product of length ``L`` is off by at most ``L u |x_t| |x_s|``
+    whatever the summation order, the products and the sums over positions
+    run in float64 (:func:`_contract`), and with ``M_c = sum_t |x_t| |y_t|``
+    of each contribution ``c`` (which bounds its gradient's norm) the squared
+    norm is off by at most ``u (m + n) (sum_c M_c)^2``; an instantiated
+    gradient (a sum over ``T`` positions, off by at most ``T u M`` in norm)
+    by ``2 T u M (sum_c M_c)``. The allowance is
+    ``1.05 u (m + n + 2 T + 8) (sum_c M_c)^2 + 8 u norm^2``: about
+    ``u (m + n + 2T) T`` of an ordinary squared norm (``M^2`` is about ``T``
+    times it), e.g. 1e-3 at m + n = 1280, T = 128; larger where the
+    reading cancels, never below the error.
     """
     scales = [c.magnitude(grams) for c in contribs]
     scales = [s for s in scales if s is not None]
     if not scales:
         return None
-    depth = max(c.depth() for c in contribs)
+    u = _unit_roundoff()
+    depth = max(c.depth() for c in contribs) + 8
+    if not _exact_sums():   # the H T^2 products of a Gram pair add in float32
+        depth += max(_or(getattr(c, "H", 1), 1) * _or(getattr(c, "T", 1), 2**16) ** 2
+                     for c in contribs)
     total = scales[0]
     for s in scales[1:]:
         total = total + s
-    return (_ROUNDING_SAFETY * _unit_roundoff() * depth) * tf.square(total)
+    return (1.05 * u * depth) * tf.square(total) + (8.0 * u) * tf.abs(sq_norm)
 
 
 def _static_linear(H, m, n, T, B):

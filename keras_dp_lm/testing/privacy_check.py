@@ -151,10 +151,12 @@ def _flat(grads):
     return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in grads])
 
 
-def _naive(model, x, y, sample_weight, clip, k=1, real=None, keep=()):
+def _naive(model, x, y, sample_weight, clip, k=1, real=None, keep=(), clip_norms=None):
     """Each unit alone (an example, or a user's ``k`` rows): its loss (the
     mean over the unit's real rows), gradient, norm, clip; the sum, and the
-    clipped contributions of the units in ``keep`` (a dict)."""
+    clipped contributions of the units in ``keep`` (a dict). With
+    ``clip_norms`` (one per real unit: the step's norms, which include its
+    rounding allowance), each unit is clipped at that norm instead of its own."""
     variables = model.trainable_variables
     size = len(tf.nest.flatten(x)[0])
     real = np.ones(size, bool) if real is None else np.asarray(real, bool)
@@ -172,8 +174,9 @@ def _naive(model, x, y, sample_weight, clip, k=1, real=None, keep=()):
                  for g, v in zip(tape.gradient(loss, variables), variables)]
         flat = _flat(grads)
         norm = float(np.linalg.norm(flat))
+        at = norm if clip_norms is None else float(clip_norms[len(norms)])
         norms.append(norm)
-        contribution = (min(1.0, clip / norm) if norm > 0 else 1.0) * flat
+        contribution = (min(1.0, clip / at) if at > 0 else 1.0) * flat
         total = total + contribution
         if u in keep:
             kept[u] = contribution
@@ -291,7 +294,9 @@ def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tole
     def clipped(x, y, sample_weight):
         result = dp_clipped_gradient(model, (x, y, sample_weight))
         mask = result.mask if result.mask is not None else tf.ones_like(result.norms)
-        return result.grads, result.norms, mask
+        rounding = (tf.zeros_like(result.norms) if result.rounding is None
+                    else result.rounding)
+        return result.grads, result.norms, mask, rounding
 
     def step(x, y, sample_weight, real=None):
         """The step's clipped sum and the norms of its real units; ``real`` marks
@@ -301,24 +306,32 @@ def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tole
             real = np.ones(size, bool) if real is None else real
             sample_weight = attach_real_slots(sample_weight, _slots(real, user_k))
         try:
-            grads, norms, mask = clipped(x, y, sample_weight)
+            grads, norms, mask, rounding = clipped(x, y, sample_weight)
         except _REFUSALS as error:  # only the DP step's own refusals count as refusals
             if accepted:
                 raise _Inconclusive(f"{type(error).__name__}: {error}") from error
             raise _Refused(f"{type(error).__name__}: {error}") from error
         accepted.append(True)
         # accumulation pads the batch to a multiple of its steps: keep real units
-        norms, mask = norms.numpy(), mask.numpy()
+        norms, mask, rounding = norms.numpy(), mask.numpy(), rounding.numpy()
         if user_k is not None and len(norms) != len(mask):
             mask = mask.reshape(-1, user_k).max(axis=1)
         if len(norms) != len(mask):  # not one norm per unit: no unit-wise comparison
-            return _flat([g.numpy() for g in grads]), np.full(len(mask), np.inf)
-        return _flat([g.numpy() for g in grads]), norms[mask > 0]
+            return _flat([g.numpy() for g in grads]), np.full((2, len(mask)), np.inf)
+        return _flat([g.numpy() for g in grads]), np.stack([norms[mask > 0],
+                                                            rounding[mask > 0]])
 
     def compare(norms, ref_norms, full, ref_sum):
-        report.max_norm_error = max(report.max_norm_error, float(np.max(
-            np.abs(norms - ref_norms) / np.maximum(ref_norms, 1e-12), initial=0.0))
-            if norms.shape == ref_norms.shape else np.inf)
+        """``norms``: the step's (norms, rounding allowances) per real unit. Its
+        float32 reading (the norm without the allowance) must match the naive
+        norm; its sum, the naive units clipped at the step's norms."""
+        if norms.shape[1:] != ref_norms.shape:
+            report.max_norm_error = np.inf
+        else:
+            norms, rounding = norms.astype("float64")
+            reading = np.sqrt(np.maximum(norms ** 2 - rounding, 0.0))
+            report.max_norm_error = max(report.max_norm_error, float(np.max(
+                np.abs(reading - ref_norms) / np.maximum(ref_norms, 1e-12), initial=0.0)))
         report.max_sum_error = max(report.max_sum_error, float(
             np.linalg.norm(full - ref_sum) / max(np.linalg.norm(ref_sum), 1e-12)))
 
@@ -349,7 +362,8 @@ def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tole
             # every micro-batch), not only its first rows
             tested = np.unique(np.linspace(0, units - 1, min(num_examples, units)).round()
                                .astype(int))
-            ref_norms, ref_sum, ref_units = _naive(model, x, y, weight, clip, k, keep=tested)
+            ref_norms, ref_sum, ref_units = _naive(model, x, y, weight, clip, k, keep=tested,
+                                                   clip_norms=norms[0])
             report.num_examples += size
             report.num_users += units if user_k else 0
             compare(norms, ref_norms, full, ref_sum)
@@ -386,7 +400,8 @@ def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tole
                     partial[u * k + 1 + i % (k - 1):(u + 1) * k] = False
                 part_sum, part_norms = step(x, y, sample_weight, partial)
                 ref_norms, ref_sum, ref_units = _naive(model, x, y, weight, clip, k,
-                                                       partial, keep=tested)
+                                                       partial, keep=tested,
+                                                       clip_norms=part_norms[0])
                 compare(part_norms, ref_norms, part_sum, ref_sum)
                 for u in tested:
                     remove(u, part_sum, ref_units[u], partial)

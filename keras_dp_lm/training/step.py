@@ -44,7 +44,9 @@ from keras_dp_lm.data import split_real_slots
 
 tree = internals.tree
 
-ClippedBatch = collections.namedtuple("ClippedBatch", ["grads", "losses", "norms", "mask"])
+ClippedBatch = collections.namedtuple("ClippedBatch",
+                                      ["grads", "losses", "norms", "mask", "rounding"],
+                                      defaults=(None,))
 ClippedBatch.__doc__ = """The clipped sum of one logical batch (no noise).
 
 grads: list aligned with ``model.trainable_variables``: the sum over real units
@@ -57,6 +59,8 @@ norms: per-unit gradient norms before clipping (0 for padding): ``[B]``, or
     ``[B / k]`` per user for user batches.
 mask: ``[B]`` float32, 1 for real examples and 0 for padding slots (in a user
     batch, rows ``u*k .. u*k+k-1`` are user ``u``).
+rounding: like ``norms``, the float32 rounding allowance included in
+    ``norms**2`` (``ClippedSum.rounding``; 0 for the exact engine).
 """
 
 
@@ -280,8 +284,11 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
             model, loss_fn, part, optimizer.l2_norm_clip, method=optimizer.clipping,
             slot_mask=part[1], examples_per_user=k)
         real_units = clipping_module.user_slot_mask(part[1], k) > 0
-        return result._replace(norms=tf.where(real_units, result.norms,
-                                              tf.zeros([], result.norms.dtype)))
+        zero = tf.zeros([], result.norms.dtype)
+        rounding = (tf.zeros_like(result.norms) if result.rounding is None
+                    else tf.cast(result.rounding, result.norms.dtype))
+        return result._replace(norms=tf.where(real_units, result.norms, zero),
+                               rounding=tf.where(real_units, rounding, zero))
 
     num_micro = optimizer.dp_accumulation_steps
     if num_micro == 1:
@@ -289,7 +296,7 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
             model, lambda: micro_clipped_sum((batch, weights)))
         if update_metrics:
             _update_metrics(model, batch, result.outputs)
-        return ClippedBatch(result.grads, result.losses, result.norms, mask)
+        return ClippedBatch(result.grads, result.losses, result.norms, mask, result.rounding)
 
     # Micro-batches split on user boundaries: pad whole users, k rows each.
     batch, weights = _pad_to_multiple(batch, weights, num_micro * k)
@@ -302,18 +309,21 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
     if update_metrics:
         _update_metrics(model, first_part[0], first.outputs)
 
-    def body(i, sums, losses, norms):
+    def body(i, sums, losses, norms, rounding):
         result = micro_clipped_sum(_micro_batch(micro, i))
         sums = [s + g for s, g in zip(sums, result.grads)]
-        return i + 1, sums, losses.write(i, result.losses), norms.write(i, result.norms)
+        return (i + 1, sums, losses.write(i, result.losses), norms.write(i, result.norms),
+                rounding.write(i, result.rounding))
 
-    losses = tf.TensorArray(tf.float32, size=num_micro, infer_shape=False)
-    norms = tf.TensorArray(tf.float32, size=num_micro, infer_shape=False)
-    losses, norms = losses.write(0, first.losses), norms.write(0, first.norms)
-    _, sums, losses, norms = tf.while_loop(
+    def arrays(first_values):
+        array = tf.TensorArray(tf.float32, size=num_micro, infer_shape=False)
+        return array.write(0, first_values)
+
+    _, sums, losses, norms, rounding = tf.while_loop(
         lambda i, *_: i < num_micro, body,
-        (tf.constant(1), list(first.grads), losses, norms), parallel_iterations=1)
-    return ClippedBatch(sums, losses.concat(), norms.concat(), mask)
+        (tf.constant(1), list(first.grads), arrays(first.losses), arrays(first.norms),
+         arrays(first.rounding)), parallel_iterations=1)
+    return ClippedBatch(sums, losses.concat(), norms.concat(), mask, rounding.concat())
 
 
 _XLA_CORES = weakref.WeakKeyDictionary()
