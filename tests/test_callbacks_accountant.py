@@ -6,6 +6,8 @@ updates applied so far, never decreasing, and equal to the epoch-end value at
 the last batch of the run.
 """
 
+import os
+
 import dp_accounting
 import keras
 import numpy as np
@@ -211,7 +213,7 @@ def test_poisson_batches_regrouped_after_sampling_are_refused():
     assert kdp.ledger_of(fresh).updates == 40
 
 
-def test_poisson_batches_regrouped_below_the_cap_are_refused_within_a_few_updates():
+def test_poisson_batches_regrouped_below_the_cap_are_refused_within_a_few_updates(tmp_path):
     """Review finding (r30, N2): Poisson draws regrouped into batches of a few
     times the expected count, still below the one-batch cap, trained 289
     updates of 69 real rows reported at 2.16 for ~8.06 spent. The running total
@@ -227,6 +229,21 @@ def test_poisson_batches_regrouped_below_the_cap_are_refused_within_a_few_update
             PrivacyAccountant(delta=DELTA, batches=batches, verbose=0)])
     refused_at = kdp.ledger_of(model).updates   # updates applied before the refusal
     assert 2 <= refused_at <= 10, refused_at
+    # ...also fed as many short fits (review r31: the total restarted at every
+    # fit, and 100 fits of 3 updates trained 300): it counts over the model's
+    # life, and is saved with it
+    short = make_model(expected_batch_size=q * N)
+    with pytest.raises(Exception, match="exceeded|refused"):
+        for _ in range(10):
+            short.fit(regrouped.take(2), verbose=0, callbacks=[
+                PrivacyAccountant(delta=DELTA, batches=batches, verbose=0)])
+            reloaded = make_model(expected_batch_size=q * N)
+            reloaded.set_weights(short.get_weights())
+            path = os.path.join(str(tmp_path), "short.weights.h5")
+            short.save_weights(path)
+            reloaded.load_weights(path)
+            short = reloaded
+    assert kdp.ledger_of(short).updates <= 10
     honest = make_model(expected_batch_size=q * N)
     honest.fit(batches, epochs=3, verbose=0, callbacks=[
         PrivacyAccountant(delta=DELTA, batches=batches, verbose=0)])

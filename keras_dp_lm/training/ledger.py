@@ -78,10 +78,11 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             self.limits = keras.Variable(
                 np.zeros((_LIMITS,)), dtype="float64", trainable=False,
                 name="dp_ledger_limits", aggregation="only_first_replica")
-            # Poisson batches checked under the current limits: (updates, real
-            # examples), for the check of their running total.
+            # Every Poisson batch checked by an accountant, over the model's
+            # life (saved with it): (expected real examples, their variance,
+            # real examples), for the check of the running total.
             self.poisson_seen = keras.Variable(
-                np.zeros((2,)), dtype="float64", trainable=False,
+                np.zeros((3,)), dtype="float64", trainable=False,
                 name="dp_ledger_poisson_seen", aggregation="only_first_replica")
             self.violations = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_violations",
@@ -101,6 +102,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         store["table"] = np.asarray(self.table.numpy())
         store["num_rows"] = np.asarray(self.num_rows.numpy())
         store["unit"] = np.asarray(self.unit.numpy())
+        store["poisson_seen"] = np.asarray(self.poisson_seen.numpy())
 
     def load_own_variables(self, store):
         # A file saved before any DP training (or by a plain Keras model) has
@@ -120,6 +122,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         unit = (int(np.asarray(store["unit"])) if "unit" in list(store.keys())
                 else PRIVACY_UNITS["example"] if rows else 0)
         self.unit.assign(unit)
+        self.poisson_seen.assign(np.asarray(store["poisson_seen"], dtype="float64")
+                                 if "poisson_seen" in list(store.keys()) else np.zeros((3,)))
 
     # -- reading ---------------------------------------------------------------
     def rows(self):
@@ -153,11 +157,12 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         ``sampling_rate`` may hold (a draw larger than it has negligible
         probability; a batch regrouped after sampling is refused).
         ``poisson_mean``: the expected real count of such a draw,
-        ``(dataset_size + 1) * sampling_rate``: the running total of the
-        Poisson batches checked since these limits were set is refused once
-        it exceeds what as many draws reach with probability 1e-12 (batches
-        regrouped to below the cap, a few times the mean, are refused after a
-        few updates; the ones before were not Poisson draws). ``owner``:
+        ``(dataset_size + 1) * sampling_rate``: the running total of every
+        Poisson batch an accountant has checked on this model (across fits,
+        and saved with it) is refused once it exceeds what as many draws
+        reach with probability 1e-12 (batches regrouped to below the cap, a
+        few times the mean, are refused after a few updates; the ones before
+        were not Poisson draws). ``owner``:
         the registering accountant; while another one is in a fit with its
         limits registered, a second one is refused (the ledger records one
         accountant's rate, and the step checks one set of limits).
@@ -172,7 +177,6 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.limits.assign(np.array(
             [noise_multiplier, sampling_rate, batch_size, poisson_batch_cap, poisson_mean],
             dtype="float64"))
-        self.poisson_seen.assign(np.zeros((2,)))
         self.violations.assign(0)
         if owner is not None:
             self._limits_owner = weakref.ref(owner)
@@ -180,7 +184,6 @@ class PrivacyLedger(keras_internals.KerasSaveable):
     def clear_limits(self):
         """Forget the registered limits (and their accountant)."""
         self.limits.assign(np.zeros((_LIMITS,)))
-        self.poisson_seen.assign(np.zeros((2,)))
         self._limits_owner = None
 
     # -- writing (inside the traced step) -------------------------------------
@@ -206,15 +209,20 @@ class PrivacyLedger(keras_internals.KerasSaveable):
 
     def _running_total_ok(self, batch):
         """The Poisson batches checked so far plus this one hold no more real
-        examples than as many draws at the accountant's rate reach with
-        probability 1e-12 (``Binomial(n (N + 1), q)``, Bernstein's bound)."""
+        examples than as many independent draws at their accountants' rates
+        reach with probability 1e-12 (a sum of Binomials: Bernstein's bound
+        on its expected value and variance)."""
         limits = tf.convert_to_tensor(self.limits.value)
-        seen = tf.convert_to_tensor(self.poisson_seen.value)
+        seen = tf.convert_to_tensor(self.poisson_seen.value) + self._expected_draw()
+        bound = seen[0] + bernstein_excess(seen[1], _CUMULATIVE_LOG_TERM, sqrt=tf.sqrt)
+        return (limits[4] <= 0) | (seen[2] + batch <= bound * (1 + 1e-9))
+
+    def _expected_draw(self):
+        """``(mean, variance, 0)`` of the real count of one draw at the
+        registered accountant's rate (zeros without one)."""
+        limits = tf.convert_to_tensor(self.limits.value)
         mean, q = limits[4], limits[1]
-        updates = seen[0] + 1.0
-        bound = updates * mean + bernstein_excess(
-            updates * mean * (1.0 - q), _CUMULATIVE_LOG_TERM, sqrt=tf.sqrt)
-        return (mean <= 0) | (seen[1] + batch <= bound * (1 + 1e-9))
+        return tf.stack([mean, mean * (1.0 - q), tf.constant(0.0, tf.float64)])
 
     def record(self, noise_multiplier, sampling_rate, real_batch, ok, unit="example"):
         """Append one update (branch-free, so it runs in replica context and XLA)."""
@@ -247,10 +255,13 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.table.assign(table)
         self.num_rows.assign(tf.where(into_last, rows, rows + 1))
         self.violations.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
-        counted = ok & (tf.cast(sampling_rate, tf.float64) > 0)
+        # only what an accountant checked (its expected count is known)
+        counted = (ok & (tf.cast(sampling_rate, tf.float64) > 0)
+                   & (tf.convert_to_tensor(self.limits.value)[4] > 0))
+        zero = tf.constant(0.0, tf.float64)
         self.poisson_seen.assign_add(tf.where(
-            counted, tf.stack([tf.constant(1.0, tf.float64), batch]),
-            tf.zeros([2], tf.float64)))
+            counted, self._expected_draw() + tf.stack([zero, zero, batch]),
+            tf.zeros([3], tf.float64)))
 
 
 def _is_keras_hub_task(model):
