@@ -64,9 +64,7 @@ import weakref
 import tensorflow as tf
 
 from keras_dp_lm.clipping._common import _as_float
-from keras_dp_lm.clipping._common import _or
 from keras_dp_lm.clipping._common import _static
-from keras_dp_lm.clipping._common import _sum_except_batch
 from keras_dp_lm.clipping._common import _var_path
 from keras_dp_lm.clipping._common import _weighted_sum
 from keras_dp_lm.clipping.exact import tf_variable
@@ -75,7 +73,8 @@ from keras_dp_lm.clipping.ghost import _Grams
 from keras_dp_lm.clipping.ghost import _choose
 from keras_dp_lm.clipping.ghost import _merge_lookups
 from keras_dp_lm.clipping.ghost import _rounding_allowance
-from keras_dp_lm.clipping.ghost import _unit_roundoff
+from keras_dp_lm.clipping.ghost import _squares_allowance
+from keras_dp_lm.clipping.ghost import _sum_squares
 from keras_dp_lm.clipping.ghost import _sq_norm
 from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import UncoveredLayersError
@@ -217,10 +216,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         sq = sq + term
         if keep:
             per_example[key] = per
-            # its norm is that of the vector summed; the float32 sum of
-            # squares over the last axis is off by at most its length
-            length = _static(per.shape[-1]) if per.shape.rank > 1 else 1
-            rounding = rounding + (_unit_roundoff() * (_or(length, 2**16) + 8)) * term
+            rounding = rounding + _squares_allowance(per, term)
         else:
             # book-keeping sums a vector the norm was not read from
             allowance = _rounding_allowance(contribs, grams, term)
@@ -228,14 +224,16 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
                 rounding = rounding + allowance
 
     fast_sq = sq
-    sq = sq + rounding
     if exact:
         pe = per_example_gradients(loss_fn, data, exact, B)
         for v, g in zip(exact, pe):
             g = sum_user_rows(g, k)
             per_example[id(v)] = g
-            sq = sq + _sum_except_batch(tf.square(tf.cast(g, tf.float32)))
+            term = tf.cast(_sum_squares(g), tf.float32)
+            sq = sq + term
+            rounding = rounding + _squares_allowance(g, term)
             decisions[_var_path(v)] = "exact"
+    sq = sq + rounding
 
     norms = tf.sqrt(sq)
     if slot_mask is not None:

@@ -501,6 +501,14 @@ def _sum_squares(t):
     return tf.reduce_sum(last, axis=axes) if axes else last
 
 
+def _squares_allowance(per, sq_norm):
+    """The allowance of a norm read from the very vector summed (``per``,
+    ``[B, ...]``): its float32 sum of squares over the last axis is off by at
+    most that axis's length in roundings (:func:`_sum_squares`)."""
+    length = _static(per.shape[-1]) if per.shape.rank > 1 else 1
+    return (_unit_roundoff() * (_or(length, 2**16) + 8)) * tf.abs(sq_norm)
+
+
 def _rounding_allowance(contribs, grams, sq_norm):
     """``[B]`` added to a variable's squared norm so that it bounds the norm
     of the per-example gradient book-keeping sums, not only its float32
