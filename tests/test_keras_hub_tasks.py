@@ -21,7 +21,9 @@ TEXTS = [
 def test_preset_fine_tunes_with_dp_adam(tmp_path, family):
     save = testing.save_tiny_gpt2_preset if family == "gpt2" else testing.save_tiny_llama_preset
     cls = keras_hub.models.GPT2CausalLM if family == "gpt2" else keras_hub.models.LlamaCausalLM
-    save(tmp_path / "preset", texts=TEXTS * 4, vocabulary_size=300, sequence_length=16)
+    # One transformer block: every kind of variable is there, at half the trace cost.
+    save(tmp_path / "preset", texts=TEXTS * 4, vocabulary_size=300, sequence_length=16,
+         num_layers=1)
     lm = cls.from_preset(str(tmp_path / "preset"))
     lm.compile(optimizer=kdp.DPAdam(learning_rate=1e-3, l2_norm_clip=1.0, noise_multiplier=0.5,
                                     gradient_accumulation_steps=2, seed=0))
@@ -38,7 +40,7 @@ def test_keras_nlp_alias_binds_the_same_step(tmp_path):
     import keras_nlp
 
     testing.save_tiny_gpt2_preset(tmp_path / "p", texts=TEXTS * 4, vocabulary_size=300,
-                                  sequence_length=16)
+                                  sequence_length=16, num_layers=1)
     lm = keras_nlp.models.GPT2CausalLM.from_preset(str(tmp_path / "p"))
     lm.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0))
     lm.fit(TEXTS[:4], batch_size=4, verbose=0)
@@ -66,7 +68,8 @@ def test_pretrained_minilm_bert_classifier_fine_tunes_with_dp_adam():
 def test_llama_causal_lm_fits_under_xla_with_dp_adam():
     """Regression: with jit_compile=True the wrapped Adam's slots were created inside
     the XLA function and read uninitialised (FailedPreconditionError)."""
-    lm = testing.tiny_llama_causal_lm(TEXTS * 4, vocabulary_size=300, sequence_length=16)
+    lm = testing.tiny_llama_causal_lm(TEXTS * 4, vocabulary_size=300, sequence_length=16,
+                                      num_layers=1)
     lm.compile(optimizer=kdp.DPAdam(learning_rate=1e-3, l2_norm_clip=1.0,
                                     noise_multiplier=0.5, seed=0),
                jit_compile=True)
@@ -83,7 +86,7 @@ def test_presets_carry_the_privacy_ledger(tmp_path):
     import dp_accounting
 
     texts = ["the cat sat on the mat", "a dog ran in the park"] * 4
-    lm = testing.tiny_gpt2_causal_lm()
+    lm = testing.tiny_gpt2_causal_lm(num_layers=1, sequence_length=16)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     lm.compile(optimizer=kdp.DPAdam(1e-3, l2_norm_clip=1.0, noise_multiplier=1.0),
                loss=loss, weighted_metrics=[])
