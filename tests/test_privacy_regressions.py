@@ -46,14 +46,14 @@ def test_padding_of_raw_string_batches_survives_keras_hub_preprocessing():
     texts = np.array(["to be or not to be", "that is the question"])
 
     def one_step(strings, real):
-        lm = tiny_gpt2_causal_lm(sequence_length=8, seed=1)
+        lm = tiny_gpt2_causal_lm(sequence_length=8, num_layers=1, seed=1)
         lm.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=0.0,
                                        expected_batch_size=2.0), sampler="greedy")
         marked = sampling.attach_real_slots(None, np.asarray(real, "float32"), 0.5)
         lm.fit(tf.data.Dataset.from_tensors((strings, None, marked)), verbose=0)
         return _weights(lm)
 
-    start = _weights(tiny_gpt2_causal_lm(sequence_length=8, seed=1))
+    start = _weights(tiny_gpt2_causal_lm(sequence_length=8, num_layers=1, seed=1))
     real_only = one_step(texts[:1], [1.0])
     padded = one_step(np.array([texts[0], texts[1], texts[1]]), [1.0, 0.0, 0.0])
     for a, b in zip(padded, real_only):
