@@ -26,7 +26,8 @@ def _clipped(model, x, y, sw):
     @tf.function
     def run():
         return dp_clipped_gradient(model, (x, y, sw))
-    grads, losses, norms, _ = run()
+    result = run()
+    grads, losses, norms = result.grads, result.losses, result.norms
     return [g.numpy() for g in grads], losses.numpy(), norms.numpy()
 
 
