@@ -130,8 +130,9 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         ``fast_norms`` the engine's float32 reading of the part of ``norms``
         over the variables read by fast rules, ``exact`` which variables fell
         back to exact gradients, ``rounding`` ``[B/k]`` the allowance for
-        float32 rounding added to the squared norms (``norms**2 =
-        fast_norms**2 + rounding + exact part``): a norm read from Gram
+        float32 rounding added to the squared norms of the variables fast
+        rules read (``norms**2 = fast_norms**2 + rounding + exact part``, the
+        exact part with its own allowance): a norm read from Gram
         matrices is made an upper bound of the norm of the vector that
         book-keeping sums (see ``ghost._rounding_allowance``).
 
@@ -230,8 +231,9 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
             g = sum_user_rows(g, k)
             per_example[id(v)] = g
             term = tf.cast(_sum_squares(g), tf.float32)
-            sq = sq + term
-            rounding = rounding + _squares_allowance(g, term)
+            # its own allowance, not in ``rounding`` (which covers the
+            # variables ``fast_norms`` reads, as the probe compares them)
+            sq = sq + term + _squares_allowance(g, term)
             decisions[_var_path(v)] = "exact"
     sq = sq + rounding
 
