@@ -483,13 +483,13 @@ def test_ghost_norm_rounding_allowance_is_small_without_cancellation():
 
 
 def test_tensor_float_32_on_a_gpu_is_counted_at_its_roundoff(monkeypatch):
-    from keras_dp_lm.clipping import ghost
-    assert ghost._unit_roundoff() == 2.0 ** -24     # this machine: CPU only
+    from keras_dp_lm.clipping import rounding
+    assert rounding.unit_roundoff() == 2.0 ** -24     # this machine: CPU only
     monkeypatch.setattr(tf.config, "list_logical_devices",
                         lambda kind=None: ["GPU:0"] if kind == "GPU" else [])
     monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled",
                         lambda: True)
-    assert ghost._unit_roundoff() == 2.0 ** -11
+    assert rounding.unit_roundoff() == 2.0 ** -11
     monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled",
                         lambda: False)
-    assert ghost._unit_roundoff() == 2.0 ** -24
+    assert rounding.unit_roundoff() == 2.0 ** -24

@@ -218,3 +218,32 @@ def test_one_non_finite_example_is_dropped_not_spread(clipping, poison):
     assert np.linalg.norm(poisoned - without) <= 0.1 * (1 + 1e-5)
     if poison != "huge_input":  # non-finite: dropped (a finite 1e30 example may count)
         np.testing.assert_allclose(poisoned, without, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_exact_engine_norm_is_not_below_the_norm_of_the_gradient_it_sums(vectorize):
+    """The exact engine read each example's norm as one float32 sum of
+    squares over every parameter, which can read low (a 1M-entry sum with one
+    large term: 2.5e-6 low), so ``factor * ||g||`` could exceed C. The norm
+    is now an upper bound of the float64 norm of the very float32 gradient
+    that is summed, so every example's clipped contribution stays within C
+    with no tolerance."""
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(256, use_bias=True)
+    layer.build((None, 1024))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 1024)).astype("float32")
+    x[:, 0] = 1e3 * (1.0 + rng.random(12).astype("float32"))   # one term dominates
+
+    def loss_fn(b):
+        return tf.reduce_sum(layer(b) * tf.linspace(-1.0, 1.0, 256), axis=-1)
+
+    per = fc.per_example_gradients(loss_fn, tf.constant(x), layer.trainable_variables)
+    true = np.sqrt(sum(np.sum(np.square(g.numpy().astype("float64")).reshape(12, -1),
+                              axis=1) for g in per))
+    clip = 0.5 * float(true.min())
+    result = fc.exact_clipped_sum(loss_fn, tf.constant(x), layer.trainable_variables,
+                                  clip, vectorize=vectorize)
+    factors = fc.clip_factors(result.norms, clip).numpy().astype("float64")
+    assert np.all(factors * true <= clip), np.max(factors * true) / clip - 1
+    assert np.all(result.norms.numpy() <= true * (1 + 1e-4))   # and not loose

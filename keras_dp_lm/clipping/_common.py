@@ -49,10 +49,6 @@ def _weighted_sum(c, per):
     return tf.tensordot(c, per, axes=[[0], [0]])
 
 
-def _sum_except_batch(x):
-    return tf.reduce_sum(x, axis=list(range(1, x.shape.rank)))
-
-
 def _reduce_to_shape(g, shape):
     """Per-example gradient of a variable of ``shape`` broadcast (right-aligned)
     against ``g`` = ``[B, ...]``: sum ``g`` over the broadcast axes."""

@@ -19,6 +19,7 @@ from keras_dp_lm.clipping.interface import losses_and_outputs
 from keras_dp_lm.clipping.interface import onednn_enabled
 from keras_dp_lm.clipping.interface import scale_examples
 from keras_dp_lm.clipping.interface import user_slot_mask
+from keras_dp_lm.clipping.rounding import unit_norms
 
 
 def tf_variable(v):
@@ -59,10 +60,6 @@ def one_example_gradient(loss_fn, example, variables):
         loss = tf.reduce_sum(losses)
     grads = tape.gradient(loss, tf_vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return losses, [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
-
-
-def _global_norm(grads):
-    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]))
 
 
 def per_example_gradients(loss_fn, data, variables, batch_size=None):
@@ -136,7 +133,7 @@ def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
                 filled[i] = t if k > 1 else t[None]
             unit = tf.nest.pack_sequence_as(data, filled)
             losses, grads = one_example_gradient(loss_fn, unit, variables)
-            return losses, _global_norm(grads), grads
+            return losses, unit_norms(grads), grads
 
         def by_user(t):
             return t if k == 1 else tf.reshape(t, tf.concat([[-1, k], tf.shape(t)[1:]], 0))
@@ -153,7 +150,7 @@ def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
 
     def body(i, sums, losses, norms):
         rows, grads = one_example_gradient(loss_fn, _one_example(data, i, k), variables)
-        norm = _global_norm(grads)
+        norm = unit_norms(grads)
         factor = clip_factors(norm, l2_norm_clip, tf.gather(mask, i))
         sums = [s + scale_examples(g[None], factor[None])[0] for s, g in zip(sums, grads)]
         return i + 1, sums, losses.write(i, rows), norms.write(i, norm)

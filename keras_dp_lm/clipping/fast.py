@@ -73,8 +73,6 @@ from keras_dp_lm.clipping.ghost import _Grams
 from keras_dp_lm.clipping.ghost import _choose
 from keras_dp_lm.clipping.ghost import _merge_lookups
 from keras_dp_lm.clipping.ghost import _rounding_allowance
-from keras_dp_lm.clipping.ghost import _squares_allowance
-from keras_dp_lm.clipping.ghost import _sum_squares
 from keras_dp_lm.clipping.ghost import _sq_norm
 from keras_dp_lm.clipping.interface import ClippedSum
 from keras_dp_lm.clipping.interface import UncoveredLayersError
@@ -88,6 +86,10 @@ from keras_dp_lm.clipping.interface import user_slot_mask
 from keras_dp_lm.clipping.recording import _Plan
 from keras_dp_lm.clipping.recording import _Recorder
 from keras_dp_lm.clipping.recording import _recording
+from keras_dp_lm.clipping.rounding import accumulation_dtype
+from keras_dp_lm.clipping.rounding import squares_allowance
+from keras_dp_lm.clipping.rounding import sum_squares
+from keras_dp_lm.clipping.rounding import summed_terms_allowance
 
 _LAST_DECISIONS = weakref.WeakKeyDictionary()
 _LAST_REASONS = weakref.WeakKeyDictionary()
@@ -200,8 +202,8 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
                          f"examples_per_user={k}.")
     units = B // k   # users (examples when k == 1): the rows of norms and factors
     batch = None if rows is None else units
-    sq = tf.zeros([units], tf.float32)
-    rounding = tf.zeros([units], tf.float32)
+    sq = tf.zeros([units], accumulation_dtype())
+    rounding = tf.zeros([units], accumulation_dtype())
     grams = _Grams()
     decisions = {}
     per_example = {}   # id(var) -> [U, *var.shape]: clipped sum is sum_u c_u grad_u
@@ -217,7 +219,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         sq = sq + term
         if keep:
             per_example[key] = per
-            rounding = rounding + _squares_allowance(per, term)
+            rounding = rounding + squares_allowance(per, term)
         else:
             # book-keeping sums a vector the norm was not read from
             allowance = _rounding_allowance(contribs, grams, term)
@@ -230,14 +232,15 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         for v, g in zip(exact, pe):
             g = sum_user_rows(g, k)
             per_example[id(v)] = g
-            term = tf.cast(_sum_squares(g), tf.float32)
+            term = sum_squares(g)
             # its own allowance, not in ``rounding`` (which covers the
             # variables ``fast_norms`` reads, as the probe compares them)
-            sq = sq + term + _squares_allowance(g, term)
+            sq = sq + term + squares_allowance(g, term)
             decisions[_var_path(v)] = "exact"
     sq = sq + rounding
+    sq = sq + summed_terms_allowance(len(plan.trainable), sq)
 
-    norms = tf.sqrt(sq)
+    norms = tf.cast(tf.sqrt(sq), tf.float32)
     if slot_mask is not None:
         slot_mask = user_slot_mask(slot_mask, k)
     factors = clip_factors(norms, l2_norm_clip, slot_mask)
@@ -275,6 +278,6 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     except TypeError:  # pragma: no cover
         pass
     return ClippedSum(grads=grads, norms=norms, losses=losses, outputs=outputs,
-                      fast_norms=tf.sqrt(fast_sq),
+                      fast_norms=tf.cast(tf.sqrt(fast_sq), tf.float32),
                       exact=tuple(id(v) in exact_ids for v in plan.trainable),
-                      rounding=rounding)
+                      rounding=tf.cast(rounding, tf.float32))

@@ -20,6 +20,11 @@ from keras_dp_lm.clipping._common import _static
 from keras_dp_lm.clipping._common import _weighted_sum
 from keras_dp_lm.clipping.interface import scale_examples
 from keras_dp_lm.clipping.interface import sum_user_rows
+from keras_dp_lm.clipping.rounding import accumulation_dtype
+from keras_dp_lm.clipping.rounding import contract
+from keras_dp_lm.clipping.rounding import exact_sums
+from keras_dp_lm.clipping.rounding import sum_squares
+from keras_dp_lm.clipping.rounding import unit_roundoff
 
 # Caps on the transient memory of one variable's norm computation.  Above the
 # cap the other method is used (if that one fits; else the smaller one).
@@ -209,7 +214,7 @@ class _Lookup:
         the ``[V, d]`` gradient nor a ``T x T`` Gram matrix is formed.
         """
         if self.distinct:
-            return _sum_squares(self.G)
+            return sum_squares(self.G)
         ids = self.ids
         shape = tf.shape(ids)
         B = _or(_static(ids.shape[0]), shape[0])
@@ -224,7 +229,7 @@ class _Lookup:
         group = group + tf.range(B, dtype=tf.int32)[:, None] * T
         sums = tf.math.unsorted_segment_sum(tf.reshape(self.G, [-1, self.d]),
                                             tf.reshape(group, [-1]), B * T)
-        return _sum_squares(tf.reshape(sums, [B, -1, self.d]))
+        return sum_squares(tf.reshape(sums, [B, -1, self.d]))
 
     def magnitude(self, grams):
         """``sum_t |g_t|`` per example (a one-hot row has norm 1)."""
@@ -386,18 +391,18 @@ def _inner(a, b, grams):
     if a.kind == "linear" and b.kind == "linear":
         xx = grams.get(a.keys[0], a.X, b.keys[0], b.X)
         yy = grams.get(a.keys[1], a.Y, b.keys[1], b.Y)
-        return _contract(xx, yy)
+        return contract(xx, yy)
     if a.kind == "lookup" and b.kind == "lookup":
         if a is b and (a.distinct or _sorts_ids()):
             return a.self_norm()
         same = tf.cast(tf.equal(a.ids[:, :, None], b.ids[:, None, :]), a.G.dtype)
-        return _contract(same, tf.matmul(a.G, b.G, transpose_b=True))
+        return contract(same, tf.matmul(a.G, b.G, transpose_b=True))
     lin, lk = (a, b) if a.kind == "linear" else (b, a)
     # <sum_t e_{id_t} g_t^T, sum_s x_s h_s^T> = sum_{t,s} x_s[id_t] (g_t . h_s)
     x = lin.X[:, 0]                                            # [B, S, V]
     h = lin.Y[:, 0]                                            # [B, S, d]
     picked = tf.gather(x, lk.ids, axis=2, batch_dims=1)        # [B, S, T]
-    return _contract(picked, tf.matmul(h, lk.G, transpose_b=True))
+    return contract(picked, tf.matmul(h, lk.G, transpose_b=True))
 
 
 def _merge_lookups(contribs):
@@ -456,57 +461,12 @@ def _sq_norm(contribs, choice, grams):
                 term = _inner(a, contribs[j], grams)
                 term = term if i == j else 2.0 * term
                 total = term if total is None else total + term
-        return tf.cast(total, tf.float32), None
+        return tf.cast(total, accumulation_dtype()), None
     per = contribs[0].instantiate()
     for c in contribs[1:]:
         per = per + c.instantiate()
     per = tf.cast(per, tf.float32)
-    return tf.cast(_sum_squares(per), tf.float32), per
-
-
-def _unit_roundoff():
-    """The unit roundoff of the float32 matmuls behind ghost norms: 2^-24, or
-    2^-11 where TensorFloat-32 may round their inputs (TF's default on
-    Ampere and newer GPUs)."""
-    if (tf.config.experimental.tensor_float_32_execution_enabled()
-            and tf.config.list_logical_devices("GPU")):
-        return 2.0 ** -11
-    return 2.0 ** -24
-
-
-def _exact_sums():
-    """Whether the sums of products below run in float64 (not on TPUs, which
-    have no float64: there their length counts in the allowance)."""
-    return not tf.config.list_logical_devices("TPU")
-
-
-def _contract(a, b):
-    """``sum_{...} a * b`` per example (all axes but the first): in float64,
-    where the products of float32 values are exact and ``T^2`` terms add no
-    error worth counting."""
-    axes = list(range(1, a.shape.rank))
-    if _exact_sums():
-        return tf.reduce_sum(tf.cast(a, tf.float64) * tf.cast(b, tf.float64), axis=axes)
-    return tf.reduce_sum(a * b, axis=axes)
-
-
-def _sum_squares(t):
-    """``sum t^2`` per example: over the last axis in float32 (an error of at
-    most its length in roundings, counted in the allowance), the rest in
-    float64."""
-    last = tf.reduce_sum(tf.square(tf.cast(t, tf.float32)), axis=-1)
-    if _exact_sums():
-        last = tf.cast(last, tf.float64)
-    axes = list(range(1, last.shape.rank))
-    return tf.reduce_sum(last, axis=axes) if axes else last
-
-
-def _squares_allowance(per, sq_norm):
-    """The allowance of a norm read from the very vector summed (``per``,
-    ``[B, ...]``): its float32 sum of squares over the last axis is off by at
-    most that axis's length in roundings (:func:`_sum_squares`)."""
-    length = _static(per.shape[-1]) if per.shape.rank > 1 else 1
-    return (_unit_roundoff() * (_or(length, 2**16) + 8)) * tf.abs(sq_norm)
+    return sum_squares(per), per
 
 
 def _rounding_allowance(contribs, grams, sq_norm):
@@ -521,7 +481,7 @@ def _rounding_allowance(contribs, grams, sq_norm):
     the allowance is a worst-case bound, not a model of typical errors: a
     float32 dot product of length ``L`` is off by at most ``L u |x_t| |x_s|``
     whatever the summation order, the products and the sums over positions
-    run in float64 (:func:`_contract`), and with ``M_c = sum_t |x_t| |y_t|``
+    run in float64 (:func:`rounding.contract`), and with ``M_c = sum_t |x_t| |y_t|``
     of each contribution ``c`` (which bounds its gradient's norm) the squared
     norm is off by at most ``u (m + n) (sum_c M_c)^2``; an instantiated
     gradient (a sum over ``T`` positions, off by at most ``T u M`` in norm)
@@ -535,15 +495,16 @@ def _rounding_allowance(contribs, grams, sq_norm):
     scales = [s for s in scales if s is not None]
     if not scales:
         return None
-    u = _unit_roundoff()
+    u = unit_roundoff()
     depth = max(c.depth() for c in contribs) + 8
-    if not _exact_sums():   # the H T^2 products of a Gram pair add in float32
+    if not exact_sums():   # the H T^2 products of a Gram pair add in float32
         depth += max(_or(getattr(c, "H", 1), 1) * _or(getattr(c, "T", 1), 2**16) ** 2
                      for c in contribs)
     total = scales[0]
     for s in scales[1:]:
         total = total + s
-    return (1.05 * u * depth) * tf.square(total) + (8.0 * u) * tf.abs(sq_norm)
+    return (tf.cast((1.05 * u * depth) * tf.square(total), sq_norm.dtype)
+            + tf.cast(8.0 * u, sq_norm.dtype) * tf.abs(sq_norm))
 
 
 def _static_linear(H, m, n, T, B):
