@@ -493,3 +493,22 @@ def test_tensor_float_32_on_a_gpu_is_counted_at_its_roundoff(monkeypatch):
     monkeypatch.setattr(tf.config.experimental, "tensor_float_32_execution_enabled",
                         lambda: False)
     assert rounding.unit_roundoff() == 2.0 ** -24
+
+
+def test_on_a_tpu_every_float32_sum_counts_in_the_squares_allowance(monkeypatch):
+    """Off TPUs only the last axis sums in float32 (the rest in float64);
+    a TPU has no float64, so the whole length counts."""
+    from keras_dp_lm.clipping import rounding
+    per = tf.ones([2, 4, 8])
+    sq = rounding.sum_squares(per)
+    assert sq.dtype == tf.float64 and np.allclose(sq.numpy(), 32.0)
+    allowance = rounding.squares_allowance(per, sq).numpy()
+    assert np.allclose(allowance, 2.0 ** -24 * (8 + 8) * 32.0)
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: ["TPU:0"] if kind == "TPU" else [])
+    sq = rounding.sum_squares(per)
+    assert sq.dtype == tf.float32
+    allowance = rounding.squares_allowance(per, sq).numpy()
+    assert np.allclose(allowance, 2.0 ** -24 * (32 + 8) * 32.0)
+    assert np.allclose(rounding.summed_terms_allowance(100, sq).numpy(),
+                       2.0 ** -24 * 100 * 32.0)
