@@ -30,26 +30,53 @@ from _results import random_token_batch  # noqa: E402
 from _results import run_worker  # noqa: E402
 CONFIG = dict(num_layers=4, hidden_dim=256, num_heads=4, intermediate_dim=1024,
               vocabulary_size=8192, sequence_length=128)
+# GPT-2's own width (768, 12 heads, MLP 3072) at two layers: where exact
+# per-example norms cost a smaller share of the step (see ghost_flop_floor).
+WIDE_CONFIG = dict(CONFIG, num_layers=2, hidden_dim=768, num_heads=12,
+                   intermediate_dim=3072)
+
+
+def ghost_flop_floor(config):
+    """The least DP / non-private ratio of multiply-adds any exact per-example
+    clipping of this GPT-2 can reach: per example, the non-private step costs
+    about 3 forward passes (the backward pass computes input and weight
+    gradients), and the DP step adds each layer's cheapest exact norm,
+    ``min(T^2 (m + n), T m n)`` (ghost Grams or the instantiated gradient),
+    the query / key / value layers sharing their input's Gram, plus the tied
+    vocabulary projection's ghost norm ``T^2 (d + V)``. The clipped sum by
+    book-keeping costs what the non-private weight gradient costs.
+
+    >>> round(ghost_flop_floor(CONFIG), 3), round(ghost_flop_floor(WIDE_CONFIG), 3)
+    (1.192, 1.069)
+    """
+    T, d, V = config["sequence_length"], config["hidden_dim"], config["vocabulary_size"]
+    f, L = config["intermediate_dim"], config["num_layers"]
+    dense = [(d, d)] * 4 + [(d, f), (f, d)]   # query, key, value, output, MLP in / out
+    forward = L * (sum(T * m * n for m, n in dense) + 2 * T * T * d) + T * d * V
+    norms = sum(min(T * T * (m + n), T * m * n) for m, n in dense) - 2 * T * T * d
+    extra = L * norms + T * T * (d + V)
+    return 1.0 + extra / (3.0 * forward)
 
 
 # ---------------------------------------------------------------------------
 # Worker: one mode, one batch size, one process.
 
 
-def _gpt2_and_tokens(batch):
-    """The benchmark model (seeded) and a batch of random ``[B, T + 1]`` token ids
-    with a random-length padding mask."""
+def _gpt2_and_tokens(batch, config=None):
+    """The benchmark model (seeded; ``CONFIG`` unless ``config`` is given) and a
+    batch of random ``[B, T + 1]`` token ids with a random-length padding mask."""
     import keras
     import keras_hub
 
+    config = config or CONFIG
     keras.utils.set_random_seed(0)
-    T = CONFIG["sequence_length"]
+    T = config["sequence_length"]
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=CONFIG["vocabulary_size"], num_layers=CONFIG["num_layers"],
-        num_heads=CONFIG["num_heads"], hidden_dim=CONFIG["hidden_dim"],
-        intermediate_dim=CONFIG["intermediate_dim"], max_sequence_length=T)
+        vocabulary_size=config["vocabulary_size"], num_layers=config["num_layers"],
+        num_heads=config["num_heads"], hidden_dim=config["hidden_dim"],
+        intermediate_dim=config["intermediate_dim"], max_sequence_length=T)
     lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
-    ids, mask = random_token_batch(batch, T, CONFIG["vocabulary_size"])
+    ids, mask = random_token_batch(batch, T, config["vocabulary_size"])
     return lm, ids, mask
 
 

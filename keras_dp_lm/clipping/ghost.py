@@ -480,14 +480,15 @@ def _rounding_allowance(contribs, grams, sq_norm):
     coherently by a crafted record (review r31: 6.9 C through ``fit``). So
     the allowance is a worst-case bound, not a model of typical errors: a
     float32 dot product of length ``L`` is off by at most ``L u |x_t| |x_s|``
-    whatever the summation order, the products and the sums over positions
-    run in float64 (:func:`rounding.contract`), and with ``M_c = sum_t |x_t| |y_t|``
+    whatever the summation order, the sums of Gram products over positions
+    are off by at most ``(T + 1) u M^2`` (:func:`rounding.contract`), and with
+    ``M_c = sum_t |x_t| |y_t|``
     of each contribution ``c`` (which bounds its gradient's norm) the squared
     norm is off by at most ``u (m + n) (sum_c M_c)^2``; an instantiated
     gradient (a sum over ``T`` positions, off by at most ``T u M`` in norm)
     by ``2 T u M (sum_c M_c)``. The allowance is
-    ``1.05 u (m + n + 2 T + 8) (sum_c M_c)^2 + 8 u norm^2``: about
-    ``u (m + n + 2T) T`` of an ordinary squared norm (``M^2`` is about ``T``
+    ``1.05 u (m + n + 3 T + 9) (sum_c M_c)^2 + 8 u norm^2``: about
+    ``u (m + n + 3T) T`` of an ordinary squared norm (``M^2`` is about ``T``
     times it), e.g. 1e-3 at m + n = 1280, T = 128; larger where the
     reading cancels, never below the error.
     """
@@ -497,7 +498,9 @@ def _rounding_allowance(contribs, grams, sq_norm):
         return None
     u = unit_roundoff()
     depth = max(c.depth() for c in contribs) + 8
-    if not exact_sums():   # the H T^2 products of a Gram pair add in float32
+    if exact_sums():   # a Gram pair's products add in float32 over one axis
+        depth += max(_or(getattr(c, "T", 1), 2**16) for c in contribs) + 1
+    else:   # no float64: all H T^2 products of a Gram pair add in float32
         depth += max(_or(getattr(c, "H", 1), 1) * _or(getattr(c, "T", 1), 2**16) ** 2
                      for c in contribs)
     total = scales[0]
