@@ -37,14 +37,18 @@ WIDE_CONFIG = dict(CONFIG, num_layers=2, hidden_dim=768, num_heads=12,
 
 
 def ghost_flop_floor(config):
-    """The least DP / non-private ratio of multiply-adds any exact per-example
-    clipping of this GPT-2 can reach: per example, the non-private step costs
-    about 3 forward passes (the backward pass computes input and weight
-    gradients), and the DP step adds each layer's cheapest exact norm,
-    ``min(T^2 (m + n), T m n)`` (ghost Grams or the instantiated gradient),
-    the query / key / value layers sharing their input's Gram, plus the tied
-    vocabulary projection's ghost norm ``T^2 (d + V)``. The clipped sum by
-    book-keeping costs what the non-private weight gradient costs.
+    """The least DP / non-private ratio of multiply-adds of exact per-example
+    clipping of this GPT-2 that keeps no per-example gradient in memory (the
+    package default: peak memory ~1.0x). Per example, the non-private step
+    costs about 3 forward passes (the backward pass computes input and weight
+    gradients); the DP step adds each layer's cheaper exact norm,
+    ``min(T^2 (m + n), T m n)`` (ghost Grams, or the per-example gradient
+    formed for its norm and dropped), the query / key / value layers sharing
+    their input's Gram, plus the tied vocabulary projection's ghost norm
+    ``T^2 (d + V)``; the clipped sum by book-keeping costs what the
+    non-private weight gradient costs. Keeping per-example gradients instead
+    (they then replace the weight gradient) costs ~``m n`` per layer, but
+    ``B m n`` floats of memory per layer.
 
     >>> round(ghost_flop_floor(CONFIG), 3), round(ghost_flop_floor(WIDE_CONFIG), 3)
     (1.192, 1.069)
