@@ -14,6 +14,7 @@ import tensorflow as tf
 import keras
 import keras_hub
 
+import keras_dp_lm as kdp
 from keras_dp_lm import clipping as fc
 from reference import naive_clip
 from reference import naive_per_unit
@@ -512,3 +513,69 @@ def test_on_a_tpu_every_float32_sum_counts_in_the_squares_allowance(monkeypatch)
     assert np.allclose(allowance, 2.0 ** -24 * (32 + 8) * 32.0)
     assert np.allclose(rounding.summed_terms_allowance(100, sq).numpy(),
                        2.0 ** -24 * 100 * 32.0)
+
+
+def _null_space_model(T, M, N):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((T, M))
+    z = keras.layers.Dense(N, use_bias=False, name="wide")(inputs)
+    z = keras.layers.LayerNormalization()(z)
+    z = keras.layers.Dense(1)(z)
+    return keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(z))
+
+
+def _huge_null_space_records(model, n, T, M, N, scale=1e19):
+    """Every position ``scale * (v + d u)``, ``v`` in the kernel's null space:
+    a huge input whose layer output stays small, so after the LayerNorm the
+    output gradient is ~1e-19 and its squares flush to zero in float32."""
+    W = np.asarray(model.get_layer("wide").kernel, "float64")
+    _, _, vt = np.linalg.svd(W.T)
+    records = []
+    for i in range(n):
+        vec = vt[N + i] + 1e-4 * (1 + 0.37 * i) * vt[i]
+        records.append(np.tile((scale * vec / np.linalg.norm(vec)).astype("float32"), (T, 1)))
+    return np.stack(records)
+
+
+def test_flushed_subnormals_cannot_hide_a_gradient_from_its_ghost_norm():
+    """Review r32: a huge input times a tiny output gradient is a large
+    gradient, but the output gradient's Gram matrix flushed to exactly 0 in
+    float32, and so did the allowance: the ghost norm read 0 and one record
+    moved the weights by 6312 C through ``fit``. Factors are now scaled per
+    example by powers of two before their Grams."""
+    T, M, N, clip = 8, 128, 32, 1e-3
+    model = _null_space_model(T, M, N)
+    x = _huge_null_space_records(model, 3, T, M, N)
+    y = model(x).numpy() + 1e-4
+
+    def loss_fn(data):
+        xb, yb = data
+        return tf.reduce_sum(tf.square(model(xb, training=True) - yb), axis=-1)
+
+    data = (tf.constant(x), tf.constant(y))
+    per = fc.per_example_gradients(loss_fn, data, model.trainable_variables)
+    true = np.sqrt(sum(np.sum(np.square(g.numpy().astype("float64")).reshape(len(x), -1),
+                              axis=1) for g in per))
+    assert np.all(true > 100 * clip)
+    result = fc.fast_clipped_sum(model, loss_fn, data, clip)
+    decisions = fc.clipping_coverage(model)
+    assert [m for p, m in decisions.items() if "wide" in p] == ["ghost"], decisions
+    factors = fc.clip_factors(result.norms, clip).numpy().astype("float64")
+    assert np.max(factors * true) <= clip * (1 + 1e-5), np.max(factors * true) / clip
+
+    # through fit: an honest first batch, then the crafted record and an inert row
+    model = _null_space_model(T, M, N)
+    model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=0.0),
+                  loss="mse")
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(2, T, M)).astype("float32"),
+              rng.normal(size=(2, 1)).astype("float32"), batch_size=2, verbose=0)
+    before = [w.astype("float64") for w in model.get_weights()]
+    xb = np.concatenate([_huge_null_space_records(model, 1, T, M, N),
+                         np.zeros((1, T, M), "float32")])
+    yb = model(xb).numpy()
+    yb[0] += 1e-4
+    model.fit(xb, yb, batch_size=2, verbose=0, shuffle=False)
+    moved = 2 * np.sqrt(sum(np.sum((w.astype("float64") - b) ** 2)
+                            for w, b in zip(model.get_weights(), before)))
+    assert moved <= clip * (1 + 1e-5), moved / clip
