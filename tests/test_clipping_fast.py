@@ -541,8 +541,8 @@ def test_flushed_subnormals_cannot_hide_a_gradient_from_its_ghost_norm():
     """Review r32: a huge input times a tiny output gradient is a large
     gradient, but the output gradient's Gram matrix flushed to exactly 0 in
     float32, and so did the allowance: the ghost norm read 0 and one record
-    moved the weights by 6312 C through ``fit``. Factors are now scaled per
-    example by powers of two before their Grams."""
+    moved the weights by 6312 C through ``fit``. The allowance now bounds
+    what flushing to zero can cost, from the factors' row norms."""
     T, M, N, clip = 8, 128, 32, 1e-3
     model = _null_space_model(T, M, N)
     x = _huge_null_space_records(model, 3, T, M, N)

@@ -23,7 +23,6 @@ from keras_dp_lm.clipping.interface import sum_user_rows
 from keras_dp_lm.clipping.rounding import accumulation_dtype
 from keras_dp_lm.clipping.rounding import contract
 from keras_dp_lm.clipping.rounding import exact_sums
-from keras_dp_lm.clipping.rounding import power_of_two_scaled
 from keras_dp_lm.clipping.rounding import sum_squares
 from keras_dp_lm.clipping.rounding import unit_roundoff
 
@@ -33,8 +32,6 @@ _INSTANTIATE_MAX_BYTES = 256 * 2**20
 _GHOST_MAX_BYTES = 256 * 2**20
 # Sequence length assumed for cost decisions when it is not static.
 _DEFAULT_T = 512
-# Bound on the squared-norm error of flushed subnormals, per (underflow weight)^2.
-_FLUSH = 2.0 ** -120
 
 
 def _dims(t):
@@ -117,30 +114,23 @@ class _Linear:
         self.X, self.Y = group(self.X), group(self.Y)
         self.T = None if self.T is None else k * self.T
 
-    def scaled(self, grams):
-        """``(X, Y, s)``: the factors scaled per example by powers of two
-        (:meth:`_Grams.scaled`) and ``s`` the product of their scales, so that
-        a quantity of degree one in each factor is ``s`` times its scaled
-        value."""
-        xs, sx = grams.scaled(self.keys[0], self.X)
-        ys, sy = grams.scaled(self.keys[1], self.Y)
-        return xs, ys, sx * sy
+    def bounds(self, grams):
+        """``(M, sum_t |X_t|, sum_t |Y_t|)`` per example, with ``M = sum_{h,t}
+        |X_t| |Y_t|`` a bound on the norm of its per-example gradient; the
+        scales of the float32 rounding and flushing in its norm
+        (:func:`_rounding_allowance`). Row norms are bounded above from their
+        float32 squares (:func:`_row_bound`)."""
+        x = _row_bound(grams.row_norms(self.X), self.m)
+        y = _row_bound(grams.row_norms(self.Y), self.n)
+        return (tf.reduce_sum(x * y, axis=[1, 2]), tf.reduce_sum(x, axis=[1, 2]),
+                tf.reduce_sum(y, axis=[1, 2]))
 
-    def magnitude(self, grams):
-        """``sum_{h,t} |X_t| |Y_t|`` per example: a bound on the norm of its
-        per-example gradient and the scale of the float32 rounding in it
-        (:func:`_rounding_allowance`)."""
-        xs, ys, s = self.scaled(grams)
-        x2, y2 = grams.row_norms(xs), grams.row_norms(ys)
-        return tf.cast(tf.reduce_sum(tf.sqrt(x2 * y2), axis=[1, 2]), s.dtype) * s
+    def flush_lengths(self):
+        """``(m, n)``: the lengths of the dot products of its two Grams."""
+        return _or(self.m, 2**16), _or(self.n, 2**16)
 
-    def underflow(self, grams):
-        """``s H T sqrt(m n + 1)``: the scale of what flushing float32
-        subnormals to zero can cost its scaled Gram matrices
-        (:func:`_rounding_allowance`)."""
-        H, T = _or(self.H, 1), _or(self.T, 2**16)
-        size = _or(self.m, 2**16) * _or(self.n, 2**16) + 1
-        return (H * T * size ** 0.5) * self.scaled(grams)[2]
+    def positions(self):
+        return _or(self.H, 1) * _or(self.T, 2**16)
 
     def depth(self):
         """``m + n + 2 T``: the lengths of the float32 sums behind its norm."""
@@ -252,17 +242,17 @@ class _Lookup:
                                             tf.reshape(group, [-1]), B * T)
         return sum_squares(tf.reshape(sums, [B, -1, self.d]))
 
-    def magnitude(self, grams):
-        """``sum_t |g_t|`` per example (a one-hot row has norm 1)."""
-        return tf.cast(tf.reduce_sum(tf.sqrt(grams.row_norms(self.G)), axis=1),
-                       accumulation_dtype())
+    def bounds(self, grams):
+        """``(sum_t |g_t|, T, sum_t |g_t|)``: its gradient's norm is at most
+        ``sum_t |g_t|``; one-hot rows have norm 1 (exact)."""
+        g = tf.reduce_sum(_row_bound(grams.row_norms(self.G), self.d), axis=1)
+        return g, tf.fill(tf.shape(g), float(_or(self.T, 2**16))), g
 
-    def underflow(self, grams):
-        """``4 T sqrt(d + 1)``: its gradient's entries are those of ``G``
-        (unscaled), so flushed subnormals cost at most ``T d 2^-126`` of a
-        squared norm, far inside ``2^-120`` times this squared."""
-        return tf.constant(4 * _or(self.T, 2**16) * (_or(self.d, 2**16) + 1) ** 0.5,
-                           accumulation_dtype())
+    def flush_lengths(self):
+        return 1, _or(self.d, 2**16)
+
+    def positions(self):
+        return _or(self.T, 2**16)
 
     def depth(self):
         return _or(self.d, 2**16) + 2 * _or(self.T, 2**16)
@@ -304,11 +294,8 @@ class _PerExample:
         """``[B, ...] -> [B/k, ...]``: the sum of each user's ``k`` rows."""
         self.P = sum_user_rows(self.P, k)
 
-    def magnitude(self, grams):
+    def bounds(self, grams):
         """None: its norm is that of exactly the vector summed (no Gram)."""
-        return None
-
-    def underflow(self, grams):
         return None
 
     def depth(self):
@@ -344,22 +331,6 @@ class _Grams:
     def __init__(self):
         self._cache = {}
         self._own = {}   # id(t) -> (t, t t^T): the self-Gram of one tensor object
-        self._scaled = {}
-
-    def scaled(self, key, t):
-        """``(t * 2^-e, 2^e)``: ``t`` ``[B, ...]`` scaled per example by a
-        power of two (exactly) so that its largest entry lies in ``[1, 2)``,
-        and the scales ``[B]`` (:func:`rounding.power_of_two_scaled`). Cached
-        by ``key`` (else by the tensor), so factors that share a Gram share
-        their scaled tensor, and the Gram's diagonal serves
-        :meth:`row_norms`."""
-        cache_key = ("key", key) if key is not None else ("id", id(t))
-        hit = self._scaled.get(cache_key)
-        if hit is not None and (key is not None or hit[0] is t):
-            return hit[1], hit[2]
-        scaled, scale = power_of_two_scaled(t)
-        self._scaled[cache_key] = (t, scaled, scale)
-        return scaled, scale
 
     def get(self, key_a, a, key_b, b):
         gram = self._get(key_a, a, key_b, b)
@@ -437,14 +408,9 @@ def _pair_mem(a, b):
 def _inner(a, b, grams):
     """Per-example inner product <grad_a_i, grad_b_i>, shape [B]."""
     if a.kind == "linear" and b.kind == "linear":
-        # Grams of factors scaled per example: a huge input times a tiny
-        # output gradient (whose squares flush to zero in float32) would
-        # otherwise read a large gradient as 0 (review r32: 6312 C)
-        xa, ya, sa = a.scaled(grams)
-        xb, yb, sb = b.scaled(grams)
-        xx = grams.get(a.keys[0], xa, b.keys[0], xb)
-        yy = grams.get(a.keys[1], ya, b.keys[1], yb)
-        return contract(xx, yy) * (sa * sb)
+        xx = grams.get(a.keys[0], a.X, b.keys[0], b.X)
+        yy = grams.get(a.keys[1], a.Y, b.keys[1], b.Y)
+        return contract(xx, yy)
     if a.kind == "lookup" and b.kind == "lookup":
         if a is b and (a.distinct or _sorts_ids()):
             return a.self_norm()
@@ -452,11 +418,10 @@ def _inner(a, b, grams):
         return contract(same, tf.matmul(a.G, b.G, transpose_b=True))
     lin, lk = (a, b) if a.kind == "linear" else (b, a)
     # <sum_t e_{id_t} g_t^T, sum_s x_s h_s^T> = sum_{t,s} x_s[id_t] (g_t . h_s)
-    xs, hs, s = lin.scaled(grams)
-    x = xs[:, 0]                                               # [B, S, V]
-    h = hs[:, 0]                                               # [B, S, d]
+    x = lin.X[:, 0]                                            # [B, S, V]
+    h = lin.Y[:, 0]                                            # [B, S, d]
     picked = tf.gather(x, lk.ids, axis=2, batch_dims=1)        # [B, S, T]
-    return contract(picked, tf.matmul(h, lk.G, transpose_b=True)) * s
+    return contract(picked, tf.matmul(h, lk.G, transpose_b=True))
 
 
 def _merge_lookups(contribs):
@@ -546,9 +511,9 @@ def _rounding_allowance(contribs, grams, sq_norm):
     times it), e.g. 1e-3 at m + n = 1280, T = 128; larger where the
     reading cancels, never below the error.
     """
-    scales = [c.magnitude(grams) for c in contribs]
-    scales = [s for s in scales if s is not None]
-    if not scales:
+    grounded = [(c, c.bounds(grams)) for c in contribs]
+    grounded = [(c, b) for c, b in grounded if b is not None]
+    if not grounded:
         return None
     u = unit_roundoff()
     depth = max(c.depth() for c in contribs) + 8
@@ -557,18 +522,31 @@ def _rounding_allowance(contribs, grams, sq_norm):
     else:   # no float64: all H T^2 products of a Gram pair add in float32
         depth += max(_or(getattr(c, "H", 1), 1) * _or(getattr(c, "T", 1), 2**16) ** 2
                      for c in contribs)
-    total = scales[0]
-    for s in scales[1:]:
-        total = total + s
-    # Flushing subnormals to zero (CPUs and GPUs do) moves an entry of a
-    # scaled Gram by at most a few (m + n) 2^-126, whatever its size.
-    flush = [w for w in (c.underflow(grams) for c in contribs) if w is not None]
-    weight = flush[0]
-    for w in flush[1:]:
-        weight = weight + w
-    sq_norm = tf.cast(sq_norm, total.dtype)
-    return ((1.05 * u * depth) * tf.square(total) + _FLUSH * tf.square(weight)
-            + (8.0 * u) * tf.abs(sq_norm))
+    dtype = accumulation_dtype()
+    total, x1, y1 = (tf.add_n([tf.cast(b[i], dtype) for _, b in grounded]) for i in range(3))
+    # Flushing to zero (CPUs and GPUs flush float32 subnormals) moves a dot
+    # product of length L by at most 2 L 2^-126 whatever the size of its
+    # terms: a huge input times a tiny output gradient (review r32: an input
+    # in the kernel's null space, then a LayerNorm) is a large gradient whose
+    # Gram entries flush to exactly 0. Over all pairs of contributions that
+    # costs at most 2^-125 (m (sum |Y_t|)^2 + n (sum |X_t|)^2), and the
+    # contraction's flushed products 2 (positions)^2 2^-126.
+    m = max(c.flush_lengths()[0] for c, _ in grounded)
+    n = max(c.flush_lengths()[1] for c, _ in grounded)
+    positions = float(sum(c.positions() for c, _ in grounded))
+    flushed = ((2.0 ** -124) * (m * tf.square(y1) + n * tf.square(x1))
+               + (2.0 ** -120) * positions ** 2)
+    sq_norm = tf.cast(sq_norm, dtype)
+    return (1.05 * u * depth) * tf.square(total) + flushed + (8.0 * u) * tf.abs(sq_norm)
+
+
+def _row_bound(sq, length):
+    """``|t|`` bounded above from ``sq``, its float32 reading of ``|t|^2``
+    (a sum of ``length`` squares): rounded at most ``(length + 2) u`` low,
+    and squares below 2^-126 flushed to zero, ``length 2^-126`` at most;
+    ``inf`` when it overflowed (the example is then dropped)."""
+    length = _or(length, 2**16)
+    return tf.sqrt(sq * (1.0 + (length + 2) * unit_roundoff()) + length * 2.0 ** -125)
 
 
 def _static_linear(H, m, n, T, B):

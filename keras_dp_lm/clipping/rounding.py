@@ -11,9 +11,7 @@ both engines use to read squared norms and to add a worst-case allowance:
   only, the rest in float64 (the accumulation dtype);
 - :func:`squares_allowance`: what that reading can miss;
 - :func:`unit_norms`: the norm bound of one unit's gradients (exact engine);
-- :func:`contract`: the products and sums behind ghost norms;
-- :func:`power_of_two_scaled`: factors scaled per example so that their Gram
-  matrices do not flush to zero in float32.
+- :func:`contract`: the products and sums behind ghost norms.
 
 On TPUs, which have no float64, every sum runs in float32 and its full length
 counts in the allowance.
@@ -112,41 +110,6 @@ def squares_allowance(per, sq_norm):
     # squares below 2^-126 are flushed to zero: at most that much each
     flushed = tf.cast(size * 2.0 ** -126, sq_norm.dtype)
     return tf.cast(unit_roundoff() * (length + _SLACK), sq_norm.dtype) * sq_norm + flushed
-
-
-def power_of_two_scaled(t):
-    """``(t * 2^-e, 2^e)`` per example: ``t`` (``[B, ...]``, float32) times
-    the power of two that brings its largest entry into ``[1, 2)`` (exact,
-    but for entries that become subnormal), and ``2^e`` ``[B]`` in
-    :func:`accumulation_dtype`. An example with no finite non-zero peak is
-    left as it is (scale 1: a non-finite entry stays non-finite).
-
-    Gram matrices of scaled factors cannot flush to zero what matters: a
-    huge input times a tiny output gradient is a large gradient whose
-    Gram entries in float32 would be 0.
-
-    Example:
-        >>> import tensorflow as tf
-        >>> from keras_dp_lm.clipping.rounding import power_of_two_scaled
-        >>> t = tf.constant([[3 * 2.0 ** -70, -2.0 ** -70], [0.0, 0.0]])
-        >>> scaled, scale = power_of_two_scaled(t)
-        >>> scaled.numpy().tolist(), [float(s) == 2.0 ** -69 for s in scale]
-        ([[1.5, -0.5], [0.0, 0.0]], [True, False])
-    """
-    t = tf.cast(t, tf.float32)
-    peak = tf.reduce_max(tf.abs(t), axis=list(range(1, t.shape.rank)))
-    usable = tf.math.is_finite(peak) & (peak > 0)
-    # floor(log2(peak)) from the float32 exponent field, kept where 2^-e is normal
-    exponent = tf.bitwise.right_shift(tf.bitcast(peak, tf.int32), 23) - 127
-    exponent = tf.where(usable, tf.clip_by_value(exponent, -126, 126), 0)
-    inverse = tf.bitcast(tf.bitwise.left_shift(127 - exponent, 23), tf.float32)
-    scaled = t * tf.reshape(inverse, [-1] + [1] * (t.shape.rank - 1))
-    if accumulation_dtype() == tf.float64:
-        scale = tf.bitcast(tf.bitwise.left_shift(tf.cast(exponent, tf.int64) + 1023, 52),
-                           tf.float64)
-    else:   # may overflow to inf for huge factors: that example is dropped
-        scale = tf.pow(2.0, tf.cast(exponent, tf.float32))
-    return scaled, scale
 
 
 def summed_terms_allowance(count, sq_norm):
