@@ -511,7 +511,7 @@ def _rounding_allowance(contribs, grams, sq_norm):
     times it), e.g. 1e-3 at m + n = 1280, T = 128; larger where the
     reading cancels, never below the error. Flushed subnormals add
     ``2^-124 (m (sum_t |Y_t|)^2 + n (sum_t |X_t|)^2) + 2^-120 (H T)^2``
-    (see the comment below): below 1e-25 of an ordinary squared norm.
+    (see the comment below): negligible unless row norms approach 2^60.
     """
     grounded = [(c, c.bounds(grams)) for c in contribs]
     grounded = [(c, b) for c, b in grounded if b is not None]
