@@ -23,6 +23,7 @@ from keras_dp_lm.clipping.interface import sum_user_rows
 from keras_dp_lm.clipping.rounding import accumulation_dtype
 from keras_dp_lm.clipping.rounding import contract
 from keras_dp_lm.clipping.rounding import exact_sums
+from keras_dp_lm.clipping.rounding import squares_error
 from keras_dp_lm.clipping.rounding import sum_squares
 from keras_dp_lm.clipping.rounding import unit_roundoff
 
@@ -544,11 +545,9 @@ def _rounding_allowance(contribs, grams, sq_norm):
 
 def _row_bound(sq, length):
     """``|t|`` bounded above from ``sq``, its float32 reading of ``|t|^2``
-    (a sum of ``length`` squares): rounded at most ``(length + 2) u`` low,
-    and squares below 2^-126 flushed to zero, ``length 2^-126`` at most;
-    ``inf`` when it overflowed (the example is then dropped)."""
-    length = _or(length, 2**16)
-    return tf.sqrt(sq * (1.0 + (length + 2) * unit_roundoff()) + length * 2.0 ** -125)
+    (a sum of ``length`` squares, :func:`rounding.squares_error`); ``inf``
+    when it overflowed (the example is then dropped)."""
+    return tf.sqrt(sq + squares_error(sq, length, length))
 
 
 def _static_linear(H, m, n, T, B):

@@ -9,7 +9,7 @@ both engines use to read squared norms and to add a worst-case allowance:
 
 - :func:`sum_squares`: per-example ``sum x^2``, float32 over the last axis
   only, the rest in float64 (the accumulation dtype);
-- :func:`squares_allowance`: what that reading can miss;
+- :func:`squares_allowance` / :func:`squares_error`: what that reading can miss;
 - :func:`unit_norms`: the norm bound of one unit's gradients (exact engine);
 - :func:`contract`: the products and sums behind ghost norms.
 
@@ -105,10 +105,19 @@ def squares_allowance(per, sq_norm):
         length = _or(dims[-1], _UNKNOWN_LENGTH)
     else:
         length = size
-    sq_norm = tf.abs(sq_norm)
-    # squares below 2^-126 are flushed to zero: at most that much each
-    flushed = tf.cast(size * 2.0 ** -126, sq_norm.dtype)
-    return tf.cast(unit_roundoff() * (length + _SLACK), sq_norm.dtype) * sq_norm + flushed
+    return squares_error(sq_norm, length, size)
+
+
+def squares_error(sq, length, count):
+    """What a float32 reading ``sq`` of a sum of ``count`` squares may miss,
+    ``length`` of them added in float32 in one run: ``(length + 8) u`` of it
+    for rounding (any order), and ``2^-126`` per square flushed to zero
+    (partial sums of non-negative terms are never subnormal, so only the
+    squares flush)."""
+    sq = tf.abs(sq)
+    length, count = _or(length, _UNKNOWN_LENGTH), _or(count, _UNKNOWN_LENGTH)
+    return (tf.cast(unit_roundoff() * (length + _SLACK), sq.dtype) * sq
+            + tf.cast(count * 2.0 ** -126, sq.dtype))
 
 
 def summed_terms_allowance(count, sq_norm):
