@@ -26,10 +26,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _worker(tree, batch, steps):
+def _worker(tree, batch, steps, dtype_policy):
     sys.path.insert(0, tree)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
+
+    keras.config.set_dtype_policy(dtype_policy)
 
     import keras_dp_lm as kdp
     from bench_clipping import _gpt2_and_tokens
@@ -60,9 +62,9 @@ def _worker(tree, batch, steps):
         "cpu": {k: statistics.median(v) for k, v in cpu.items()}}), flush=True)
 
 
-def _run(tree, batch, steps):
+def _run(tree, batch, steps, dtype_policy):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", tree,
-           "--batch", str(batch), "--steps", str(steps)]
+           "--batch", str(batch), "--steps", str(steps), "--dtype-policy", dtype_policy]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(),
                           env={**os.environ, "PYTHONPATH": HERE})
     for line in proc.stdout.splitlines():
@@ -91,10 +93,12 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype-policy", default="float32",
+                        help="Keras dtype policy of both models, e.g. mixed_bfloat16")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     if args.worker:
-        _worker(args.worker, args.batch, args.steps)
+        _worker(args.worker, args.batch, args.steps, args.dtype_policy)
         return
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -108,7 +112,7 @@ def main():
             results = {"base": [], "head": []}
             for r in range(args.rounds):
                 for name, tree in (("base", base_tree), ("head", ROOT)):
-                    result = _run(tree, args.batch, args.steps)
+                    result = _run(tree, args.batch, args.steps, args.dtype_policy)
                     results[name].append(result)
                     print(f"round {r + 1} {name}: {result}", flush=True)
         finally:
@@ -132,8 +136,11 @@ def main():
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, {datetime.date.today()} (CPU shared with other jobs)",
-        f"- command: `python benchmarks/bench_regression.py --base {args.base}`",
-        f"- model: KerasHub GPT-2 4 x 256, T=128, |V|=8192, batch {args.batch}, float32; "
+        f"- command: `python benchmarks/bench_regression.py --base {args.base}"
+        + (f" --dtype-policy {args.dtype_policy}" if args.dtype_policy != "float32" else "")
+        + "`",
+        f"- model: KerasHub GPT-2 4 x 256, T=128, |V|=8192, batch {args.batch}, "
+        f"{args.dtype_policy}; "
         "`train_on_batch` through fit's step, `DPAdam` default `clipping=\"auto\"` (all "
         "variables on fast rules) vs `keras.optimizers.Adam`, alternating step by step in "
         f"one process; median of {args.steps} steps after 2 warm-up, {args.rounds} "
