@@ -400,7 +400,7 @@ def test_lambda_changed_after_generate_was_traced_is_applied_as_charged(tiny_lm,
     # 64 identical prompts: the model branch gives (nearly) one token, the
     # uniform branch ~57 distinct of 300 (P[< 40 distinct] < 1e-6).
     assert len(set(_first_new_tokens(lm, budget, prompts))) <= 3
-    traced = lm.generate_function
+    traced = _budget_function(budget, lm, sampler)
     sampler.lambda_ = 0.0
     assert budget.epsilon_for(lm, prompts) == 0.0
     assert len(set(_first_new_tokens(lm, budget, prompts))) >= 40
@@ -408,13 +408,47 @@ def test_lambda_changed_after_generate_was_traced_is_applied_as_charged(tiny_lm,
                                          rel=1e-12)
     sampler.lambda_ = 0.999
     assert len(set(_first_new_tokens(lm, budget, prompts))) <= 3
-    assert lm.generate_function is traced          # applied without retracing
+    assert _budget_function(budget, lm, sampler) is traced   # applied without retracing
     assert budget.spent == pytest.approx(
         2 * 64 * epsilon_per_sequence(0.999, v, new_tokens), rel=1e-12)
     assert sampler.get_config()["lambda_"] == 0.999
     with pytest.raises(ValueError, match="lambda_"):
         sampler.lambda_ = 1.0
     assert sampler.lambda_ == 0.999 and sampler.applied_lambda() == 0.999
+
+
+def _budget_function(budget, lm, sampler):
+    return budget._traced[lm]["functions"][id(sampler)][1]
+
+
+def test_a_sampler_assigned_without_compile_is_the_one_applied(tiny_lm):
+    # Regression (r33): KerasHub keeps its traced generate function, which reads
+    # `lm.sampler` only when tracing. Assigning `lm.sampler = DPSampler(...)`
+    # after a greedy trace sampled greedily (no privacy) while the budget charged
+    # the DPSampler; a greedy trace made outside the budget at another width did
+    # the same when the DPSampler was assigned back.
+    lm, preprocessor = tiny_lm
+    prompts = preprocessor.generate_preprocess(["To be"] * 64, sequence_length=6)
+    wider = preprocessor.generate_preprocess(["To be"] * 64, sequence_length=7)
+    lm.compile(sampler="greedy")
+    lm.generate(prompts, stop_token_ids=None)          # traced with greedy
+    uniform = DPSampler(0.0, seed=0)                   # lambda 0: uniform tokens
+    lm.sampler = uniform
+    budget = DecodingBudget(1e9)
+    # 64 identical prompts: greedy gives one token, uniform ~57 distinct of 300.
+    assert len(set(_first_new_tokens(lm, budget, prompts))) >= 40
+    lm.sampler = keras_hub.samplers.GreedySampler()
+    greedy = lm.generate(wider, stop_token_ids=None)   # a greedy trace outside the budget
+    start = int(np.asarray(wider["padding_mask"])[0].sum())
+    assert len(set(np.asarray(greedy["token_ids"])[:, start])) == 1
+    lm.sampler = uniform
+    assert len(set(_first_new_tokens(lm, budget, wider))) >= 40
+    assert len(set(_first_new_tokens(lm, budget, prompts))) >= 40
+    assert budget.spent == 0.0                          # lambda 0 costs nothing
+    lm.sampler = keras_hub.samplers.GreedySampler()     # the model's own function is back
+    again = lm.generate(wider, stop_token_ids=None)
+    np.testing.assert_array_equal(np.asarray(again["token_ids"]),
+                                  np.asarray(greedy["token_ids"]))
 
 
 def test_charge_refuses_a_coin_threshold_assigned_behind_lambda():

@@ -295,8 +295,15 @@ def test_bad_data_errors(tmp_path):
     assert len(V.dp_word_histogram(["", "   "], **kwargs)) == 0
     with pytest.raises(ValueError, match="0 words that survived"):
         V.DPVocabularyAdapter(100, noise_multiplier=1.0, delta=1e-6).adapt(["", " "])
-    with pytest.raises(ValueError, match="Element 1 of `data` is int"):
+    with pytest.raises(ValueError, match="An element of `data` is a int, not text"):
         V.dp_word_histogram(["fine", 3], **kwargs)
+    # Validation errors name the type, never a record's content or position (r33).
+    with pytest.raises(ValueError, match="is a dict, not text") as error:
+        V.dp_word_histogram(["fine"] * 7 + [{"patient": "Jane Roe", "dx": "HIV+"}], **kwargs)
+    assert "Jane" not in str(error.value) and "7" not in str(error.value)
+    with pytest.raises(ValueError, match="holds a int where a str word") as error:
+        V.dp_word_histogram_from_words([["fine", 123456789]], **kwargs)
+    assert "123456789" not in str(error.value)
     with pytest.raises(ValueError, match="must be strings"):
         V.dp_word_histogram(tf.data.Dataset.from_tensor_slices([1, 2]), **kwargs)
     with pytest.raises(ValueError, match="file path"):

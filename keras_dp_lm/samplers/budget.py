@@ -7,6 +7,7 @@ and :class:`DPSampler`).
 """
 
 import math
+import weakref
 
 import numpy as np
 from keras import ops
@@ -99,6 +100,9 @@ class DecodingBudget:
             self.delta = renyi._check_delta(delta)
             self.orders = tuple(float(a) for a in renyi._check_orders(orders))
             self._rdp_charges = []
+        # Per model: the generate functions only this budget traced, by sampler
+        # (see `_generate_with`), and the model's own function it last restored.
+        self._traced = weakref.WeakKeyDictionary()
 
     @property
     def uses_rdp(self):
@@ -270,11 +274,46 @@ class DecodingBudget:
         Raises :class:`BudgetExhaustedError` before generating anything if
         the charge does not fit. Extra keyword arguments go to ``generate``.
         """
+        sampler = self._sampler_of(causal_lm, composition)
         if self.uses_rdp:
             self.charge_rdp(self.rdp_for(causal_lm, prompts, max_length, composition))
         else:
             self.charge(self.epsilon_for(causal_lm, prompts, max_length, composition))
-        return causal_lm.generate(prompts, max_length=max_length, **generate_kwargs)
+        return self._generate_with(sampler, causal_lm, prompts, max_length=max_length,
+                                   **generate_kwargs)
+
+    def _generate_with(self, sampler, causal_lm, prompts, **generate_kwargs):
+        """``causal_lm.generate`` on a generate function traced only here, with
+        ``sampler`` (the one charged) as ``causal_lm.sampler``.
+
+        KerasHub keeps ``causal_lm.generate_function`` across calls and reads
+        ``causal_lm.sampler`` only when it traces, once per input shape. After
+        ``lm.sampler = other`` (no ``compile``), or after a trace made outside
+        the budget with another sampler, the model's own function samples with
+        a sampler that was not charged. So the budget runs its own function,
+        one per (model, sampler), and puts the model's back afterwards. They are
+        dropped when the model's function changed since (``compile``, or a
+        trace outside the budget), or its ``jit_compile`` / ``run_eagerly`` did.
+        """
+        state = (getattr(causal_lm, "jit_compile", None),
+                 getattr(causal_lm, "run_eagerly", None))
+        own = self._traced.get(causal_lm)
+        if (own is None or own["restored"] is not causal_lm.generate_function
+                or own["state"] != state):
+            own = {"functions": {}, "restored": None, "state": state}
+            self._traced[causal_lm] = own
+        entry = own["functions"].get(id(sampler))
+        saved = causal_lm.generate_function
+        causal_lm.generate_function = entry[1] if entry is not None else None
+        try:
+            if causal_lm.sampler is not sampler:
+                raise RuntimeError("The model's sampler changed while generating.")
+            return causal_lm.generate(prompts, **generate_kwargs)
+        finally:
+            if causal_lm.generate_function is not None and causal_lm.sampler is sampler:
+                own["functions"][id(sampler)] = (sampler, causal_lm.generate_function)
+            causal_lm.generate_function = saved
+            own["restored"] = saved
 
     def get_config(self):
         if not self.uses_rdp:

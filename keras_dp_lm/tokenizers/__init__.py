@@ -114,9 +114,12 @@ Errors and what they reveal
 
 "Vocabulary larger than the survivors support" depends only on the release
 (post-processing) and says how many words survived (also when the examples
-hold no words at all: zero survive). Only "`data` is empty" looks at the raw
-input: it is input validation that reveals whether there was any example at
-all, kept because an empty input is almost always a bug. Rounding noised counts to
+hold no words at all: zero survive). Input validation looks at the raw input
+and is outside the guarantee: "`data` is empty" reveals whether there was any
+example at all, and "an element of `data` is ..., not text" / "`examples` holds
+a ... where a str word was expected" reveal that one record has the wrong type
+(kept because such input is almost always a bug). These messages name the type
+only, never the record's position or content. Rounding noised counts to
 integers before the learners is post-processing. The noise comes from NumPy's
 PCG64 Gaussian sampler in float64 (not a cryptographic or
 floating-point-hardened sampler).

@@ -77,8 +77,9 @@ class _BoundedCounter:
         if word_type is not None:
             for word in new_words:
                 if not isinstance(word, word_type):
-                    raise ValueError(f"`examples` holds a {type(word).__name__} ({word!r:.40}) "
-                                     "where a str word was expected.")
+                    raise ValueError(f"`examples` holds a {type(word).__name__} where a str "
+                                     "word was expected (its content is not shown: the "
+                                     "data are private).")
         table.update(zip(new_words, range(len(table), len(table) + len(new_words))))
         ids = np.fromiter(map(table.__getitem__, flat_words), dtype=np.int64,
                           count=len(flat_words))

@@ -97,8 +97,9 @@ def _string_batches(data, batch_size):
             element = element.decode("utf-8", errors="replace")
         if not isinstance(element, str):
             raise ValueError(
-                f"Element {index} of `data` is {type(element).__name__} ({element!r:.60}), not "
-                "text. Pass strings (one per example) or pathlib.Path file paths.")
+                f"An element of `data` is a {type(element).__name__}, not text. Pass strings "
+                "(one per example) or pathlib.Path file paths. (The message names no element "
+                "and shows no content: the data are private.)")
         batch.append(element)
         if len(batch) >= batch_size:
             yield batch
