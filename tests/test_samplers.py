@@ -451,6 +451,44 @@ def test_a_sampler_assigned_without_compile_is_the_one_applied(tiny_lm):
                                   np.asarray(greedy["token_ids"]))
 
 
+def test_masks_and_lengths_generate_would_misread_are_refused_before_charging(tiny_lm):
+    # Regression (r33b): a -1 in the padding mask made XLA's generate sample 10
+    # positions per row (and overwrite the prompt) where the budget charged 2.
+    lm, preprocessor = tiny_lm
+    lm.compile(sampler=DPSampler(0.5, seed=0), jit_compile=True)
+    prompts = preprocessor.generate_preprocess(["To be"] * 4, sequence_length=6)
+    budget = DecodingBudget(1e9)
+    bad = {"token_ids": prompts["token_ids"],
+           "padding_mask": np.where(np.asarray(prompts["padding_mask"]), 1, -1)}
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        budget.generate(lm, bad, stop_token_ids=None)
+    with pytest.raises(ValueError, match="max_length"):
+        budget.generate(lm, ["To be"], max_length=10.5)
+    assert budget.spent == 0.0
+    ints = {"token_ids": prompts["token_ids"],
+            "padding_mask": np.asarray(prompts["padding_mask"]).astype("int32")}
+    budget.generate(lm, ints, stop_token_ids=None)     # 0 / 1 integers are fine
+    assert budget.spent > 0
+
+
+def test_a_sampler_swapped_during_generate_withholds_the_output(tiny_lm, monkeypatch):
+    # r33b: a swap between the budget's check and KerasHub's trace (another thread)
+    # sampled greedily while the lambda-0 sampler was charged.
+    lm, preprocessor = tiny_lm
+    uniform = DPSampler(0.0, seed=0)
+    lm.compile(sampler=uniform)
+    prompts = preprocessor.generate_preprocess(["To be"] * 4, sequence_length=6)
+    generate = lm.generate
+
+    def swapping_generate(*args, **kwargs):
+        lm.sampler = keras_hub.samplers.GreedySampler()
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "generate", swapping_generate)
+    with pytest.raises(RuntimeError, match="output is withheld"):
+        DecodingBudget(1e9).generate(lm, prompts, stop_token_ids=None)
+
+
 def test_charge_refuses_a_coin_threshold_assigned_behind_lambda():
     sampler = DPSampler(0.1, seed=0)
     sampler._coin_threshold_variable.assign(2 ** 61)     # applies 0.5, lambda_ says 0.1

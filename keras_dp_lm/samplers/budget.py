@@ -294,6 +294,11 @@ class DecodingBudget:
         one per (model, sampler), and puts the model's back afterwards. They are
         dropped when the model's function changed since (``compile``, or a
         trace outside the budget), or its ``jit_compile`` / ``run_eagerly`` did.
+        A ``compile`` between budget calls that leaves the model's function as
+        it was (``None``) does not drop them: after changing a sampler's
+        ``temperature`` (not part of any charge), use a new sampler object or a
+        new budget. The budget holds the models it generated with until it is
+        deleted.
         """
         state = (getattr(causal_lm, "jit_compile", None),
                  getattr(causal_lm, "run_eagerly", None))
@@ -306,9 +311,15 @@ class DecodingBudget:
         saved = causal_lm.generate_function
         causal_lm.generate_function = entry[1] if entry is not None else None
         try:
+            output = causal_lm.generate(prompts, **generate_kwargs)
             if causal_lm.sampler is not sampler:
-                raise RuntimeError("The model's sampler changed while generating.")
-            return causal_lm.generate(prompts, **generate_kwargs)
+                # Traced after a swap (another thread): not what was charged. The
+                # output is withheld; tokens never released cost nothing.
+                raise RuntimeError(
+                    "The model's sampler changed during DecodingBudget.generate; the "
+                    "output is withheld. A budget and its model are not thread-safe: "
+                    "do not assign `sampler` while a budget generates.")
+            return output
         finally:
             if causal_lm.generate_function is not None and causal_lm.sampler is sampler:
                 own["functions"][id(sampler)] = (sampler, causal_lm.generate_function)
@@ -342,11 +353,22 @@ class DecodingBudget:
 
 def _prompt_lengths(causal_lm, prompts, max_length):
     """(max_length, [tokens before sampling starts, per prompt]) as ``generate`` sees them."""
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(
+            max_length, (int, np.integer)) or max_length < 1):
+        raise ValueError(f"`max_length` must be a positive int or None. Received: "
+                         f"{max_length!r}")
     preprocessor = getattr(causal_lm, "preprocessor", None)
     if isinstance(prompts, dict):
         if preprocessor is not None and not _is_token_dict(prompts):
             raise TypeError("Pass prompts as strings when the model has a preprocessor.")
-        mask = np.asarray(ops.convert_to_numpy(prompts["padding_mask"])).astype(bool)
+        raw_mask = np.asarray(ops.convert_to_numpy(prompts["padding_mask"]))
+        if raw_mask.dtype != bool and not np.isin(raw_mask, (0, 1)).all():
+            # generate starts sampling at the mask's integer sum: other values (e.g.
+            # -1 under XLA) sample and release more positions than counted here.
+            raise ValueError(
+                "`padding_mask` must be boolean or hold only 0 and 1; got values "
+                f"{np.unique(raw_mask)[:8].tolist()}.")
+        mask = raw_mask.astype(bool)
         token_shape = np.shape(np.asarray(ops.convert_to_numpy(prompts["token_ids"])))
         if token_shape != mask.shape or mask.ndim not in (1, 2):
             # generate samples up to the width of token_ids: a narrower mask would

@@ -61,6 +61,11 @@ class DPSampler(Sampler):
     Install it with ``causal_lm.compile(sampler=DPSampler(lambda_=...))``;
     ``causal_lm.generate()`` then samples every new token from the mixture
     over the full vocabulary (works under ``tf.function(jit_compile=True)``).
+    Install it through ``compile``, not ``causal_lm.sampler = ...``: KerasHub
+    keeps its traced generate function, which reads the sampler only when it
+    traces, so a direct ``generate`` after an assignment may still sample with
+    the old sampler. :class:`DecodingBudget` ``.generate`` always samples with
+    the sampler it charges.
     ``compute_probabilities`` is KerasHub's (``q``); the mixing happens in
     :meth:`get_next_token` with an exact integer coin (see :mod:`keras_dp_lm.samplers`),
     and :meth:`mixture_probabilities` gives ``q'`` for inspection.
