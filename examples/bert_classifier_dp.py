@@ -29,6 +29,15 @@ accuracy, epsilon, steps, batch and time:
 
 A third line, the training split's majority class, is the floor to beat.
 
+``--dp-probe-epsilon E`` makes the DP run two-stage (LP-FT): a DP linear probe
+first trains the output layer alone, on the pooled outputs of the pretrained top
+layers, at epsilon ``E`` (its own recipe: ``--dp-probe-epochs``,
+``--dp-probe-learning-rate``); the fine-tuning's recipe then gets the probe's
+applied ledger as ``extra_events`` and calibrates its noise so that the two
+compose to ``--epsilon``. The reported epsilon composes both ledgers in one
+accountant. ``--trainable-layers 0`` trains the output layer (and the pooler
+with ``[CLS]``) on the frozen model's outputs in both runs: a linear probe.
+
 Why the learning rate needs the noise factor here: at this dataset size
 (N = 10,222, batch 306) and with millions of trainable parameters, the noise,
 not the gradient, dominates Adam's second moment, so the step along the signal
@@ -109,7 +118,8 @@ def load_classifier(sequence_length):
 
 
 def split_classifier(classifier, trainable_layers, pooling="cls"):
-    """``(frozen, head)``: the classifier cut below its top ``trainable_layers`` layers.
+    """``(frozen, head, pooled)``: the classifier cut below its top ``trainable_layers``
+    layers.
 
     ``frozen`` maps the tokenized inputs to the hidden states entering the top
     layers; ``head`` maps ``{"hidden", "padding_mask"}`` to the logits through the
@@ -119,14 +129,15 @@ def split_classifier(classifier, trainable_layers, pooling="cls"):
     averages the top layer's outputs over the real (unpadded) tokens of each
     snippet, as sentence-transformers trained all-MiniLM-L6-v2 to be read, and
     skips the pooler. Both are per-example functions: no example's logits depend on
-    another's.
+    another's. ``pooled`` maps the same inputs to what the output layer reads (the
+    pooled vector, before dropout), through the same layers.
     """
     import keras
 
     backbone = classifier.backbone
     num_layers = len(backbone.transformer_layers)
-    if not 1 <= trainable_layers <= num_layers:
-        raise ValueError(f"--trainable-layers must be in 1..{num_layers}, got "
+    if not 0 <= trainable_layers <= num_layers:
+        raise ValueError(f"--trainable-layers must be in 0..{num_layers}, got "
                          f"{trainable_layers}.")
     cut = num_layers - trainable_layers
     below = (backbone.transformer_layers[cut - 1] if cut
@@ -146,8 +157,44 @@ def split_classifier(classifier, trainable_layers, pooling="cls"):
     else:
         raise ValueError(f"--pooling must be 'cls' or 'mean', got {pooling!r}.")
     logits = classifier.output_dense(classifier.output_dropout(pooled))
-    head = keras.Model({"hidden": hidden, "padding_mask": mask}, logits)
-    return frozen, head
+    inputs = {"hidden": hidden, "padding_mask": mask}
+    return frozen, keras.Model(inputs, logits), keras.Model(inputs, pooled)
+
+
+def dp_linear_probe(classifier, pooled, x_train, y_train, epsilon, delta, epochs,
+                    learning_rate, verbose=0):
+    """DP-train ``classifier.output_dense`` alone (a linear probe) on the pooled
+    features of the pretrained top layers; returns ``(events, recipe, report)``,
+    ``events`` the ``DpEvent`` of what was applied, for the later fine-tuning to
+    compose with.
+
+    The features are a fixed function of each example computed from public
+    (pretrained) weights before any DP update, so only the probe's own DP-SGD
+    touches the training data: ``epsilon`` is spent by it alone, from its
+    accountant's ledger.
+    """
+    import keras
+
+    from keras_dp_lm.accounting import dp_sgd_event
+    from keras_dp_lm.recipes import suggest_recipe
+
+    features = pooled.predict(x_train, batch_size=256, verbose=0)
+    inputs = keras.Input(features.shape[1:], name="pooled")
+    probe = keras.Model(inputs, classifier.output_dense(inputs))  # shares the layer
+    recipe = suggest_recipe(
+        dataset_size=len(y_train), target_epsilon=epsilon, delta=delta, epochs=epochs,
+        min_steps=300, learning_rate=learning_rate, reference_batch_size=32,
+        num_parameters=sum(math.prod(v.shape) for v in probe.trainable_variables))
+    batches = recipe.poisson_batches((features, y_train))
+    probe.compile(optimizer=recipe.optimizer(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  weighted_metrics=[])
+    accountant = recipe.accountant(batches=batches)
+    probe.fit(batches, epochs=1, callbacks=[accountant], verbose=verbose)
+    report = accountant.report()
+    events = [dp_sgd_event(row["noise_multiplier"], row["sampling_rate"], row["updates"])
+              for row in report["ledger"]]
+    return events, recipe, report
 
 
 def lora_top_layers(classifier, trainable_layers, rank):
@@ -217,7 +264,8 @@ def main(argv=None):
     p.add_argument("--delta", type=float, default=None,
                    help="default: the recipe's, 10^floor(log10(1/(10 N)))")
     p.add_argument("--trainable-layers", type=int, default=2,
-                   help="top transformer layers fine-tuned (1..6); the rest are frozen")
+                   help="top transformer layers fine-tuned (0..6; 0: a linear probe, only the "
+                        "pooling's head trains); the rest are frozen")
     p.add_argument("--learning-rate", type=float, default=1e-4,
                    help="the non-private Adam rate (the recipe scales it for its batch)")
     p.add_argument("--recipe-learning-rate", type=float, default=None,
@@ -236,6 +284,15 @@ def main(argv=None):
                    help="DP run only: set every dropout rate of the fine-tuned part to "
                         "this (default: MiniLM's 0.1); dropout adds gradient variance "
                         "on top of the DP noise")
+    p.add_argument("--dp-probe-epsilon", type=float, default=0.0,
+                   help="DP run only: first train the output layer alone (a DP linear "
+                        "probe on the pooled outputs of the pretrained top layers) with "
+                        "this much epsilon, then fine-tune with the rest of --epsilon "
+                        "(LP-FT; the two compose to --epsilon). 0: off")
+    p.add_argument("--dp-probe-epochs", type=float, default=10.0,
+                   help="the probe's compute budget in expected epochs")
+    p.add_argument("--dp-probe-learning-rate", type=float, default=1e-2,
+                   help="the probe's non-private Adam rate at batch 32, handed to its recipe")
     p.add_argument("--micro-batch-size", type=int, default=128,
                    help="DP micro-batch (memory); the recipe sets the accumulation")
     p.add_argument("--sequence-length", type=int, default=SEQUENCE_LENGTH)
@@ -268,6 +325,7 @@ def main(argv=None):
     import keras
 
     import keras_dp_lm.callbacks  # noqa: F401  (imported up front, before the long runs)
+    from keras_dp_lm.accounting import compose_epsilon, dp_sgd_event
     from keras_dp_lm.recipes import suggest_recipe
 
     keras.utils.set_random_seed(args.seed)
@@ -277,7 +335,7 @@ def main(argv=None):
 
     start = time.time()
     classifier = load_classifier(args.sequence_length)
-    frozen, _ = split_classifier(classifier, args.trainable_layers)
+    frozen, _, _ = split_classifier(classifier, args.trainable_layers)
 
     def features(split):
         if args.cache_dir is None:
@@ -311,8 +369,8 @@ def main(argv=None):
 
     if "non-private" in runs:
         keras.utils.set_random_seed(args.seed)
-        _, head = split_classifier(load_classifier(args.sequence_length),
-                                   args.trainable_layers, args.pooling)
+        _, head, _ = split_classifier(load_classifier(args.sequence_length),
+                                      args.trainable_layers, args.pooling)
         head.compile(optimizer=keras.optimizers.Adam(args.learning_rate), loss=loss(),
                      metrics=["accuracy"])
         steps = args.epochs * -(-len(y_train) // args.batch_size)
@@ -330,7 +388,19 @@ def main(argv=None):
     if "dp" in runs:
         keras.utils.set_random_seed(args.seed)
         dp_classifier = load_classifier(args.sequence_length)
-        _, head = split_classifier(dp_classifier, args.trainable_layers, args.pooling)
+        _, head, pooled = split_classifier(dp_classifier, args.trainable_layers,
+                                           args.pooling)
+        probe_events, probe, probe_overflow_delta = [], None, 0.0
+        if args.dp_probe_epsilon:
+            probe_events, probe_recipe, probe = dp_linear_probe(
+                dp_classifier, pooled, x_train, y_train, args.dp_probe_epsilon,
+                args.delta, args.dp_probe_epochs, args.dp_probe_learning_rate,
+                verbose=args.verbose)
+            print("DP linear probe: " + probe_recipe.explain(), flush=True)
+            # the probe's share of delta for a Poisson draw over its cap
+            probe_overflow_delta = probe_recipe.delta - probe_recipe.training_delta
+            print(f"DP linear probe: accuracy {accuracies(head, held_out)}, epsilon "
+                  f"{probe['epsilon']:.3f} alone", flush=True)
         if args.dp_lora_rank:
             lora_top_layers(dp_classifier, args.trainable_layers, args.dp_lora_rank)
         if args.dp_dropout is not None:
@@ -342,7 +412,7 @@ def main(argv=None):
             learning_rate=args.recipe_learning_rate or args.learning_rate,
             reference_batch_size=args.batch_size,
             num_parameters=sum(math.prod(v.shape) for v in head.trainable_variables),
-            micro_batch_size=args.micro_batch_size)
+            micro_batch_size=args.micro_batch_size, extra_events=probe_events)
         print(recipe.explain(), flush=True)
         batches = recipe.poisson_batches((x_train, y_train))
         head.compile(optimizer=recipe.optimizer(), loss=loss(), weighted_metrics=[])
@@ -352,17 +422,27 @@ def main(argv=None):
         seconds = time.time() - start
         acc = accuracies(head, held_out)
         report = accountant.report()
+        # Everything the run applied (the probe's updates too), in one accountant at
+        # the training share of delta; the total adds each run's overflow share.
+        epsilon = compose_epsilon(probe_events + [
+            dp_sgd_event(row["noise_multiplier"], row["sampling_rate"], row["updates"])
+            for row in report["ledger"]], recipe.training_delta)
+        delta = recipe.delta + probe_overflow_delta
         lora = f"LoRA rank {args.dp_lora_rank}, " if args.dp_lora_rank else ""
-        rows.append({"run": f"DP ({lora}recipe: Adam {recipe.learning_rate:.3g}, clip "
+        lp = (f"after a DP linear probe at epsilon {args.dp_probe_epsilon:g}, "
+              if probe_events else "")
+        rows.append({"run": f"DP ({lp}{lora}recipe: Adam {recipe.learning_rate:.3g}, clip "
                             f"{recipe.l2_norm_clip:g}, sigma {recipe.noise_multiplier:.3f})",
-                     "accuracy": acc, "epsilon": f"{report['epsilon']:.2f}",
-                     "steps": report["dp_updates"], "batch": f"{recipe.batch_size} (Poisson)",
+                     "accuracy": acc, "epsilon": f"{epsilon:.2f}",
+                     "steps": report["dp_updates"] + (probe["dp_updates"] if probe else 0),
+                     "batch": f"{recipe.batch_size} (Poisson)",
                      "time": f"{seconds / 60:.1f} min"})
-        result.update(dp_accuracy=acc, dp_seconds=seconds, epsilon=report["epsilon"],
-                      delta=report["delta"], dp_updates=report["dp_updates"],
-                      recipe=recipe.to_dict())
-        print(f"DP: accuracy {acc}, epsilon {report['epsilon']:.3f} "
-              f"at delta {report['delta']:g} ({seconds:.0f} s)", flush=True)
+        result.update(dp_accuracy=acc, dp_seconds=seconds, epsilon=epsilon,
+                      delta=delta, dp_updates=report["dp_updates"],
+                      recipe=recipe.to_dict(),
+                      dp_ledger=report["ledger"], probe_ledger=probe["ledger"] if probe else [])
+        print(f"DP: accuracy {acc}, epsilon {epsilon:.3f} "
+              f"at delta {delta:.4g} ({seconds:.0f} s)", flush=True)
 
     print()
     print(f"Rotten Tomatoes fresh/rotten, held out by movie ({sizes} snippets), "

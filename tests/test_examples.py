@@ -18,18 +18,36 @@ def _load(name):
 
 @pytest.mark.slow
 def test_bert_classifier_dp_example():
-    """Quick mode: both runs really train (64 Rotten Tomatoes snippets, 2 steps each)."""
+    """Quick mode: both runs really train (64 Rotten Tomatoes snippets, 2 steps each),
+    the DP run after a DP linear probe (--dp-probe-epsilon): the probe's and the
+    fine-tuning's updates, as applied (their ledgers), composed by dp_accounting
+    directly, give the reported epsilon, within --epsilon."""
+    import dp_accounting
+
     result = _load("bert_classifier_dp").main(["--quick", "--verbose", "0",
-                                               "--dp-dropout", "0"])
+                                               "--dp-dropout", "0",
+                                               "--dp-probe-epsilon", "0.5"])
     assert result["splits"] == ("test",)
     assert result["dp_updates"] == 2
-    assert 0 < result["epsilon"] <= 3.0
     assert result["recipe"]["l2_norm_clip"] == 0.1
     for key in ("majority_accuracy", "non_private_accuracy", "dp_accuracy"):
         acc = result[key]["test"]  # over the 32 held-out snippets: a multiple of 1/32
         assert acc * 32 == pytest.approx(round(acc * 32))
     assert result["table"].count("\n") == 4  # header, rule and three runs
-    assert "| DP (recipe" in result["table"]
+    assert "| DP (after a DP linear probe at epsilon 0.5, recipe" in result["table"]
+    probe, recipe = result["probe_ledger"], result["recipe"]
+    assert sum(row["updates"] for row in probe) > 0
+    assert sum(row["updates"] for row in result["dp_ledger"]) == 2
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    for sigma, rate, updates in [(r["noise_multiplier"], r["sampling_rate"], r["updates"])
+                                 for r in probe + result["dp_ledger"]]:
+        accountant.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(sigma)),
+            updates))
+    assert result["epsilon"] == pytest.approx(
+        accountant.get_epsilon(recipe["training_delta"]), rel=2e-3)
+    assert 0 < result["epsilon"] <= 3.0 * (1 + 1e-6)
+    assert result["delta"] > recipe["delta"]  # plus the probe's overflow share
 
 
 @pytest.mark.slow
