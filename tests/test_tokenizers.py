@@ -306,8 +306,9 @@ def test_bad_data_errors(tmp_path):
     assert "123456789" not in str(error.value)
     with pytest.raises(ValueError, match="must be strings"):
         V.dp_word_histogram(tf.data.Dataset.from_tensor_slices([1, 2]), **kwargs)
-    with pytest.raises(ValueError, match="file path"):
+    with pytest.raises(ValueError, match="file path") as error:
         V.dp_word_histogram("just one sentence, not a file", **kwargs)
+    assert "sentence" not in str(error.value)
     with pytest.raises(ValueError, match="not a sequence of words"):
         V.dp_word_histogram_from_words(["a string"], **kwargs)
 

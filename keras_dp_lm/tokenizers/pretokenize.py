@@ -53,9 +53,10 @@ def _string_batches(data, batch_size):
         path = Path(data)
         if not path.is_file():
             raise ValueError(
-                "`data` is a single string, which is read as a file path, but no file "
-                f"{str(data)[:80]!r} exists. Pass a list of strings (one per example), a "
-                "tf.data.Dataset of strings, or pathlib.Path file paths.")
+                "`data` is a single string, which is read as a file path, but no such "
+                "file exists (the string is not shown: it may be private text). Pass a "
+                "list of strings (one per example), a tf.data.Dataset of strings, or "
+                "pathlib.Path file paths.")
         data = [path]
     if isinstance(data, (bytes, bytearray)):
         raise ValueError("`data` must be a dataset or an iterable of strings; received bytes.")
@@ -83,7 +84,7 @@ def _string_batches(data, batch_size):
             "`data` must be a tf.data.Dataset of strings, an iterable of strings, or file "
             f"paths; received {type(data).__name__}.") from None
     batch = []
-    for index, element in enumerate(iterator):
+    for element in iterator:
         if isinstance(element, os.PathLike):
             with open(element, encoding="utf-8", errors="replace") as f:
                 for line in f:
