@@ -451,6 +451,20 @@ def test_a_sampler_assigned_without_compile_is_the_one_applied(tiny_lm):
                                   np.asarray(greedy["token_ids"]))
 
 
+def test_compile_drops_the_budgets_traces(tiny_lm):
+    # r33b: after `sampler.temperature = ...; lm.compile(sampler=sampler)` the budget
+    # kept sampling with its old trace (temperature is in no charge: functional).
+    lm, preprocessor = tiny_lm
+    sampler = DPSampler(0.999, temperature=1e-3, seed=0)   # ~greedy model branch
+    lm.compile(sampler=sampler)
+    prompts = preprocessor.generate_preprocess(["To be"] * 64, sequence_length=6)
+    budget = DecodingBudget(1e9)
+    assert len(set(_first_new_tokens(lm, budget, prompts))) <= 3
+    sampler.temperature = 1e6                               # ~uniform model branch
+    lm.compile(sampler=sampler)
+    assert len(set(_first_new_tokens(lm, budget, prompts))) >= 40
+
+
 def test_masks_and_lengths_generate_would_misread_are_refused_before_charging(tiny_lm):
     # Regression (r33b): a -1 in the padding mask made XLA's generate sample 10
     # positions per row (and overwrite the prompt) where the budget charged 2.

@@ -292,19 +292,19 @@ class DecodingBudget:
         the budget with another sampler, the model's own function samples with
         a sampler that was not charged. So the budget runs its own function,
         one per (model, sampler), and puts the model's back afterwards. They are
-        dropped when the model's function changed since (``compile``, or a
-        trace outside the budget), or its ``jit_compile`` / ``run_eagerly`` did.
-        A ``compile`` between budget calls that leaves the model's function as
-        it was (``None``) does not drop them: after changing a sampler's
-        ``temperature`` (not part of any charge), use a new sampler object or a
-        new budget. The budget holds the models it generated with until it is
-        deleted.
+        dropped when the model's function changed since (a trace outside the
+        budget), or its optimizer (a ``compile``: KerasHub builds a new one unless
+        given one), ``jit_compile`` or ``run_eagerly`` did. A ``compile`` with the
+        same optimizer object does not drop them: after changing a sampler's
+        ``temperature`` (not part of any charge) use a new sampler object. The
+        budget holds the models it generated with until it is deleted.
         """
-        state = (getattr(causal_lm, "jit_compile", None),
+        state = (getattr(causal_lm, "optimizer", None),
+                 getattr(causal_lm, "jit_compile", None),
                  getattr(causal_lm, "run_eagerly", None))
         own = self._traced.get(causal_lm)
         if (own is None or own["restored"] is not causal_lm.generate_function
-                or own["state"] != state):
+                or any(a is not b for a, b in zip(own["state"], state))):
             own = {"functions": {}, "restored": None, "state": state}
             self._traced[causal_lm] = own
         entry = own["functions"].get(id(sampler))
