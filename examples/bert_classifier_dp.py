@@ -175,7 +175,6 @@ def dp_linear_probe(classifier, pooled, x_train, y_train, epsilon, delta, epochs
     """
     import keras
 
-    from keras_dp_lm.accounting import dp_sgd_event
     from keras_dp_lm.recipes import suggest_recipe
 
     features = pooled.predict(x_train, batch_size=256, verbose=0)
@@ -191,10 +190,7 @@ def dp_linear_probe(classifier, pooled, x_train, y_train, epsilon, delta, epochs
                   weighted_metrics=[])
     accountant = recipe.accountant(batches=batches)
     probe.fit(batches, epochs=1, callbacks=[accountant], verbose=verbose)
-    report = accountant.report()
-    events = [dp_sgd_event(row["noise_multiplier"], row["sampling_rate"], row["updates"])
-              for row in report["ledger"]]
-    return events, recipe, report
+    return accountant.dp_events(), recipe, accountant.report()
 
 
 def lora_top_layers(classifier, trainable_layers, rank):
@@ -325,7 +321,7 @@ def main(argv=None):
     import keras
 
     import keras_dp_lm.callbacks  # noqa: F401  (imported up front, before the long runs)
-    from keras_dp_lm.accounting import compose_epsilon, dp_sgd_event
+    from keras_dp_lm.accounting import compose_epsilon
     from keras_dp_lm.recipes import suggest_recipe
 
     keras.utils.set_random_seed(args.seed)
@@ -424,9 +420,8 @@ def main(argv=None):
         report = accountant.report()
         # Everything the run applied (the probe's updates too), in one accountant at
         # the training share of delta; the total adds each run's overflow share.
-        epsilon = compose_epsilon(probe_events + [
-            dp_sgd_event(row["noise_multiplier"], row["sampling_rate"], row["updates"])
-            for row in report["ledger"]], recipe.training_delta)
+        epsilon = compose_epsilon(probe_events + accountant.dp_events(),
+                                  recipe.training_delta)
         delta = recipe.delta + probe_overflow_delta
         lora = f"LoRA rank {args.dp_lora_rank}, " if args.dp_lora_rank else ""
         lp = (f"after a DP linear probe at epsilon {args.dp_probe_epsilon:g}, "

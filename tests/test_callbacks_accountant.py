@@ -118,6 +118,15 @@ def test_batch_epsilon_composes_a_non_dominated_earlier_fit():
     assert [row[:2] for row in seen[-1][0]] == [(0.8, B / N), (1.0, B / N)]
     logged, exact = check_batch_epsilons(history, seen)
     assert history.history["epsilon"] == [exact[7], exact[15]]
+    # dp_events(): the ledger as DpEvents, which dp_accounting composes to the same.
+    events = accountant.dp_events()
+    assert [(e.event.event.noise_multiplier, e.event.sampling_probability, e.count)
+            for e in events] == [(0.8, B / N, N // B), (1.0, B / N, 2 * N // B)]
+    direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    for event in events:
+        direct.compose(event)
+    assert direct.get_epsilon(DELTA) == pytest.approx(
+        dp_accounting_epsilon([(0.8, B / N, N // B), (1.0, B / N, 2 * N // B)]), rel=1e-9)
 
 
 def test_rdp_accountant_logs_exact_rdp_per_batch():

@@ -311,6 +311,14 @@ class PrivacyAccountant(keras.callbacks.Callback):
         """Noised updates the model has received (its saved privacy ledger)."""
         return _ledger(self.model).updates
 
+    def dp_events(self):
+        """The ``DpEvent`` of every noised update the model has received (its
+        ledger, as applied), e.g. to compose with later training as
+        ``extra_events`` of :func:`keras_dp_lm.recipes.suggest_recipe`."""
+        if self.model is None:
+            raise ValueError("dp_events() needs the accountant to have been used in fit().")
+        return ledger_events([row for row in self._rows() if row[3]], self.dataset_size)
+
     @property
     def epsilon(self):
         """Training epsilon at ``delta`` of the ledger (chosen accountant)."""
