@@ -116,7 +116,8 @@ def _mixture_scorer(sampler, with_lambda):
     if keras.config.backend() == "tensorflow":
         import tensorflow as tf
 
-        compiled = tf.function(score, jit_compile=True, reduce_retracing=True)
+        compiled = tf.function(score, jit_compile=True, reduce_retracing=True,
+                               autograph=False)
     else:
         compiled = score
 

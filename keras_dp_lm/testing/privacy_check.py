@@ -290,7 +290,7 @@ def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tole
                                 examples_per_user=user_k)
     before = [np.array(v.numpy()) for v in model.trainable_variables]
 
-    @tf.function(reduce_retracing=True)
+    @tf.function(reduce_retracing=True, autograph=False)
     def clipped(x, y, sample_weight):
         result = dp_clipped_gradient(model, (x, y, sample_weight))
         mask = result.mask if result.mask is not None else tf.ones_like(result.norms)

@@ -87,14 +87,10 @@ _NESTED_CALLS = {
 }
 
 
-# Pure Python over graph ops, run while a step is traced: autograph would
-# convert it for nothing (~9,300 conversions in one fit, ~5% of its CPU).
-@tf.autograph.experimental.do_not_convert
 def _is_write(op):
     return op.type in _WRITE_OPS or op.type.startswith("ResourceScatter")
 
 
-@tf.autograph.experimental.do_not_convert
 def _written_variables(graph, ops, variable_of):
     """Variables written by ``ops`` or any graph nested in them (while / cond
     bodies, function calls), following resource handles into nested graphs.

@@ -344,7 +344,7 @@ def _clipping_core(model):
     core = _XLA_CORES.get(model)
     if core is None:
         core = _XLA_CORES[model] = tf.function(_clipped_batch, jit_compile=True,
-                                               reduce_retracing=True)
+                                               reduce_retracing=True, autograph=False)
     return core
 
 
@@ -432,7 +432,7 @@ def _probe_batch(model, data, spec=None):
             return refusals.without_state_updates(model, lambda: refusals.model_probe(
                 model, _probe_losses(model), (x, y, sample_weight), mask,
                 rows=_micro_batch_rows(model, mask, per_user), engine=_probe_engine(model)))
-        probe = _PROBES[model] = tf.function(run, reduce_retracing=True)
+        probe = _PROBES[model] = tf.function(run, reduce_retracing=True, autograph=False)
     if spec is not None:
         probe = probe.get_concrete_function(spec)
     ok, meaningful = probe(data)
@@ -492,6 +492,12 @@ def _train_function_probing_first(model, train_function):
     return run
 
 
+# Keras traces the train function with autograph on, and autograph converts
+# every function a converted one calls that is not Keras's or TensorFlow's own.
+# Nothing in the DP step needs it (its control flow is tf.cond / tf.while_loop),
+# so the step is not converted, as Keras's own train_step is not: a 1-layer
+# GPT-2's first DP fit spent ~45 s converting keras_dp_lm's source.
+@tf.autograph.experimental.do_not_convert
 def dp_train_step(model, data):
     """One DP update on one logical batch; the body of ``model.train_step``.
 
@@ -639,7 +645,7 @@ def make_private(model):
     model.train_step = types.MethodType(dp_train_step, model)
     model.train_function = None
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(data):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             strategy = tf.distribute.get_strategy()
