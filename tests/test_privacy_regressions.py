@@ -4,6 +4,8 @@ Each test names the class it guards (numbers of the privacy issue). Each
 failed on the code before the fix: the comment says what happened then.
 """
 
+import warnings
+
 import dp_accounting
 import numpy as np
 import pytest
@@ -1078,3 +1080,86 @@ def test_bfloat16_variables_get_float32_noise_rounded_only_after_it_is_added(cli
         want = tf.cast(noise / 8.0, tf.bfloat16)
         np.testing.assert_array_equal(tf.cast(got, tf.float32).numpy(),
                                       tf.cast(want, tf.float32).numpy())
+
+
+# -- r34: recompiles under XLA, non-private fits, decisions from private logs ------
+def test_a_recompile_under_xla_clips_at_the_new_clip_norm():
+    """r34 F2: the XLA clipping program was cached per model and read C when it
+    was traced, so a recompile with a smaller C (what the 'frozen' error tells
+    users to do) kept clipping at the old C while noise used the new one:
+    sensitivity 100 C at C 1 -> 0.01 (reported epsilon 2.47, spent 348)."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(8, 4)) * 3).astype("float32")
+    y = rng.integers(0, 3, 8)
+    model = _dense()
+    start = model.get_weights()
+
+    def summed_update(rows, clip):
+        model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=clip, noise_multiplier=0.0,
+                                          expected_batch_size=8.0),
+                      loss=SCCE, jit_compile=True)
+        model.set_weights(start)
+        model.fit(x[rows], y[rows], batch_size=len(rows), verbose=0, shuffle=False)
+        return np.concatenate([(a - b).ravel() * 8 for a, b in
+                               zip(start, model.get_weights())])
+
+    summed_update(np.arange(8), 1.0)
+    for clip in (0.01, 0.3):
+        with_all = summed_update(np.arange(8), clip)
+        without_last = summed_update(np.arange(7), clip)
+        assert np.linalg.norm(with_all - without_last) <= clip * (1 + 1e-5)
+        assert np.linalg.norm(with_all) <= 8 * clip * (1 + 1e-5)
+
+
+def test_a_non_private_compile_after_dp_updates_refuses_to_train():
+    """r34 F1: after DP updates, compile(optimizer="sgd") (or KerasHub's
+    compile(sampler=...), which builds a new Adam) trained with no clipping or
+    noise, and a later DP fit reported a finite epsilon (4.02; true: infinite)."""
+    x, y = _data(8)
+    model = _dense(noise_multiplier=1.0)
+    model.fit(x, y, batch_size=8, verbose=0)
+    model.compile(optimizer="sgd", loss=SCCE)
+    weights = _weights(model)
+    with pytest.raises(RuntimeError, match="allow_non_private_fit"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(RuntimeError, match="holds 1 DP updates"):
+        model.train_on_batch(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    kdp.training.allow_non_private_fit(model)  # the data is public from here
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert not all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    assert kdp.ledger_of(model).updates == 1
+    model.compile(optimizer="sgd", loss=SCCE)  # the permission lasts one compile
+    with pytest.raises(RuntimeError, match="refused to train"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=SCCE)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert kdp.ledger_of(model).updates == 2
+    fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    fresh.compile(optimizer="sgd", loss=SCCE)  # no DP updates: Keras as usual
+    fresh.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_the_logged_loss_hides_a_non_finite_example_and_loss_callbacks_warn():
+    """r34 F3: the step drops a non-finite example's gradient but logged its NaN
+    loss, so TerminateOnNaN stopped fit at the first batch holding that record
+    (4-10 updates of 24 with it, 24 without: membership with probability 0.96)."""
+    x, y = _data(16)
+    x[12] = np.inf  # not in the first batch (the probe refuses non-finite rows)
+    model = _dense(noise_multiplier=1.0)
+    with pytest.warns(UserWarning, match="TerminateOnNaN acts on 'loss'"):
+        history = model.fit(x, y, batch_size=4, verbose=0, shuffle=False,
+                            callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert kdp.ledger_of(model).updates == 4
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert all(np.all(np.isfinite(w)) for w in _weights(model))
+    for callback in (keras.callbacks.EarlyStopping(monitor="loss"),
+                     keras.callbacks.ReduceLROnPlateau(monitor="loss"),
+                     keras.callbacks.TerminateOnNaN()):
+        with pytest.warns(UserWarning, match=f"{type(callback).__name__} acts on 'loss'"):
+            model.fit(x[:4], y[:4], batch_size=4, verbose=0, callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x[:4], y[:4], batch_size=4, verbose=0, validation_data=(x[:4], y[:4]),
+                  callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])

@@ -5,6 +5,7 @@ After ``model.compile(optimizer=<DP optimizer>)``, ``model.fit`` runs
 Every touch of Keras's private API is in :mod:`keras_dp_lm.training.keras_internals`.
 """
 
+from keras_dp_lm.training.fit_guards import allow_non_private_fit
 from keras_dp_lm.training.ledger import PrivacyLedger
 from keras_dp_lm.training.ledger import ledger_of
 from keras_dp_lm.training.losses import per_example_losses
@@ -18,8 +19,8 @@ from keras_dp_lm.training.step import dp_train_step
 from keras_dp_lm.training.step import install
 from keras_dp_lm.training.step import make_private
 
-__all__ = ["ClippedBatch", "PrivacyLedger", "check_model", "check_model_is_private_compatible",
-           "dp_clipped_gradient", "dp_train_step", "install", "ledger_of", "make_private",
+__all__ = ["ClippedBatch", "PrivacyLedger", "allow_non_private_fit", "check_model",
+           "check_model_is_private_compatible", "dp_clipped_gradient", "dp_train_step", "install", "ledger_of", "make_private",
            "per_example_losses", "reduce_per_example", "regularization_loss"]
 
 from keras_dp_lm import _activate_if_pending  # noqa: E402

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp_lm import clipping as clipping_module
+from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training.ledger import ledger_of
@@ -341,11 +342,25 @@ def _clipping_core(model):
     """
     if not model.jit_compile:
         return _clipped_batch
-    core = _XLA_CORES.get(model)
-    if core is None:
-        core = _XLA_CORES[model] = tf.function(_clipped_batch, jit_compile=True,
-                                               reduce_retracing=True, autograph=False)
-    return core
+    # The core's trace reads the clip norm, the clipping method, the
+    # accumulation steps and the trainable variables as Python values. A
+    # recompile (a new optimizer) or another trainable set needs a new program:
+    # a core traced for the old optimizer would clip at the old C while the
+    # noise is drawn for the new one (r34 F2).
+    owner = (model.optimizer, tuple(model.trainable_variables))
+    cached = _XLA_CORES.get(model)
+    if cached is None or not _same_objects(cached[0], owner):
+        core = tf.function(_clipped_batch, jit_compile=True, reduce_retracing=True,
+                           autograph=False)
+        _XLA_CORES[model] = cached = (owner, core)
+    return cached[1]
+
+
+def _same_objects(a, b):
+    optimizer_a, variables_a = a
+    optimizer_b, variables_b = b
+    return (optimizer_a is optimizer_b and len(variables_a) == len(variables_b)
+            and all(x is y for x, y in zip(variables_a, variables_b)))
 
 
 _MIXING_REFUSED = (
@@ -584,8 +599,12 @@ def dp_train_step(model, data):
                                      public_gradients=_regularization_gradients(model))
         ledger.record(sigma, rate, real, ok, unit)
     # Mean loss per real unit (a user's weighted losses sum to its mean loss).
+    # A non-finite loss counts as 0, as its example's gradient does: a NaN in
+    # the log would show which batch held that example (TerminateOnNaN, r34 F3).
+    finite_losses = tf.where(tf.math.is_finite(result.losses), result.losses,
+                             tf.zeros_like(result.losses))
     internals.loss_tracker(model).update_state(
-        tf.reduce_sum(result.losses) / tf.maximum(local_size, 1.0),
+        tf.reduce_sum(finite_losses) / tf.maximum(local_size, 1.0),
         sample_weight=local_size)
     logs = model.get_metrics_result()
     if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
@@ -709,14 +728,17 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         # A new loss (or model) is probed again, by a probe traced anew.
         refusals.probe_state(self).reset()
         _PROBES.pop(self, None)
+        _XLA_CORES.pop(self, None)
         if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
             self.make_train_function = _dp_make_train_function(self)
         if hasattr(self, "preprocess_samples"):
             self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
-    elif isinstance(own.get("train_step"), types.MethodType) and \
-            own["train_step"].__func__ is dp_train_step:
-        del own["train_step"]  # recompiled without DP: unbind
-        own.pop("make_train_function", None)
+    else:
+        if isinstance(own.get("train_step"), types.MethodType) and \
+                own["train_step"].__func__ is dp_train_step:
+            del own["train_step"]  # recompiled without DP: unbind
+            own.pop("make_train_function", None)
+        fit_guards.refuse_non_private_training(self)
 
 
 _original_symbolic_build = internals.TensorFlowTrainer._maybe_symbolic_build
@@ -774,7 +796,11 @@ def _fit_releasing_limits(self, *args, **kwargs):
     """``fit``, after which the limits a :class:`PrivacyAccountant` registered
     on the model's ledger are cleared also when the fit raised (Keras then
     skips ``on_train_end``): stale limits would check, and record the rate
-    of, later fits that have no accountant."""
+    of, later fits that have no accountant. A DP fit first warns about
+    callbacks acting on private training values
+    (:func:`~keras_dp_lm.training.fit_guards.warn_on_decisions_from_private_logs`)."""
+    callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
+    fit_guards.warn_on_decisions_from_private_logs(self, callbacks)
     try:
         return _original_fit(self, *args, **kwargs)
     finally:
