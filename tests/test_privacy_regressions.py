@@ -1111,13 +1111,17 @@ def test_a_recompile_under_xla_clips_at_the_new_clip_norm():
         assert np.linalg.norm(with_all) <= 8 * clip * (1 + 1e-5)
 
 
-def test_a_non_private_compile_after_dp_updates_refuses_to_train():
+def test_a_non_private_compile_after_dp_updates_refuses_to_train(tmp_path):
     """r34 F1: after DP updates, compile(optimizer="sgd") (or KerasHub's
     compile(sampler=...), which builds a new Adam) trained with no clipping or
-    noise, and a later DP fit reported a finite epsilon (4.02; true: infinite)."""
+    noise, and a later DP fit reported a finite epsilon (4.02; true: infinite).
+    r34b N1: checked at compile time, DP weights (and their ledger) loaded after
+    the compile still trained without privacy: the check now runs when training
+    starts."""
     x, y = _data(8)
     model = _dense(noise_multiplier=1.0)
     model.fit(x, y, batch_size=8, verbose=0)
+    model.save_weights(tmp_path / "dp.weights.h5")
     model.compile(optimizer="sgd", loss=SCCE)
     weights = _weights(model)
     with pytest.raises(RuntimeError, match="allow_non_private_fit"):
@@ -1139,27 +1143,36 @@ def test_a_non_private_compile_after_dp_updates_refuses_to_train():
     fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     fresh.compile(optimizer="sgd", loss=SCCE)  # no DP updates: Keras as usual
     fresh.fit(x, y, batch_size=8, verbose=0)
+    fresh.load_weights(tmp_path / "dp.weights.h5")  # now it has DP updates
+    with pytest.raises(RuntimeError, match="holds 1 DP updates"):
+        fresh.fit(x, y, batch_size=8, verbose=0)
 
 
-def test_the_logged_loss_hides_a_non_finite_example_and_loss_callbacks_warn():
+def test_callbacks_deciding_from_private_values_are_refused():
     """r34 F3: the step drops a non-finite example's gradient but logged its NaN
     loss, so TerminateOnNaN stopped fit at the first batch holding that record
-    (4-10 updates of 24 with it, 24 without: membership with probability 0.96)."""
+    (4-10 updates of 24 with it, 24 without: membership with probability 0.96).
+    r34b N2 / N3: a huge finite loss overflowed Keras's epoch mean the same way,
+    and EarlyStopping on val_loss of a validation_split (private records) stopped
+    2 epochs in instead of 5. Such callbacks now refuse the DP fit."""
     x, y = _data(16)
     x[12] = np.inf  # not in the first batch (the probe refuses non-finite rows)
     model = _dense(noise_multiplier=1.0)
-    with pytest.warns(UserWarning, match="TerminateOnNaN acts on 'loss'"):
-        history = model.fit(x, y, batch_size=4, verbose=0, shuffle=False,
-                            callbacks=[keras.callbacks.TerminateOnNaN()])
+    history = model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
     assert kdp.ledger_of(model).updates == 4
-    assert np.all(np.isfinite(history.history["loss"]))
+    assert np.all(np.isfinite(history.history["loss"]))  # the inf row counts 0
     assert all(np.all(np.isfinite(w)) for w in _weights(model))
     for callback in (keras.callbacks.EarlyStopping(monitor="loss"),
                      keras.callbacks.ReduceLROnPlateau(monitor="loss"),
+                     keras.callbacks.ModelCheckpoint("best.keras", monitor="loss",
+                                                     save_best_only=True),
                      keras.callbacks.TerminateOnNaN()):
-        with pytest.warns(UserWarning, match=f"{type(callback).__name__} acts on 'loss'"):
+        with pytest.raises(ValueError, match=f"{type(callback).__name__} acts on 'loss'"):
             model.fit(x[:4], y[:4], batch_size=4, verbose=0, callbacks=[callback])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        model.fit(x[:4], y[:4], batch_size=4, verbose=0, validation_data=(x[:4], y[:4]),
+    with pytest.raises(ValueError, match="validation_split"):
+        model.fit(x, y, batch_size=4, verbose=0, validation_split=0.25,
                   callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])
+    assert kdp.ledger_of(model).updates == 4  # refused before any update
+    model.fit(x[:4], y[:4], batch_size=4, verbose=0, validation_data=(x[:4], y[:4]),
+              callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])
+    assert kdp.ledger_of(model).updates == 5

@@ -1,24 +1,24 @@
-"""Guards around Keras's training loop for a model that has DP updates.
+"""Guards at the start of ``fit`` / ``train_on_batch`` for a model that has DP updates.
 
-Two paths Keras offers lie outside what the privacy ledger can count:
+Two paths Keras offers lie outside what the privacy ledger can count; both are
+refused before any update, by :func:`check_training_is_private`:
 
 * **Non-private updates after private ones.** A model whose ledger holds DP
-  updates, compiled again with an optimizer that is not a DP optimizer
-  (``compile(optimizer="adam")``, or KerasHub's ``compile(sampler=...)``, which
-  builds a fresh Adam), would train with neither clipping nor noise; a later
-  DP fit would then report a finite epsilon for weights that had unnoised
-  updates on private data. Such a model refuses to train
-  (:func:`refuse_non_private_training`) until
-  :func:`allow_non_private_fit` says that its next fits use public data only.
-* **Callbacks that act on private training values.** Losses and metrics logged
-  during a DP fit are computed on private examples without noise. A callback
-  that stops training, changes the learning rate or picks a checkpoint from
-  them makes the released weights depend on private data through a channel the
-  accountant does not count. :func:`warn_on_decisions_from_private_logs` warns.
+  updates, trained with an optimizer that is not a DP optimizer
+  (``compile(optimizer="adam")``, KerasHub's ``compile(sampler=...)``, which
+  builds a fresh Adam, or DP weights loaded into a model compiled without DP),
+  would train with neither clipping nor noise, and a later DP fit would report a
+  finite epsilon for weights that had unnoised updates on private data. The
+  check reads the ledger when training starts, so a ledger that arrives after
+  ``compile`` (``load_weights``, ``load_model``, a backbone another task trained)
+  counts. :func:`allow_non_private_fit` says the next fits use public data.
+* **Callbacks that decide from private values.** Losses and metrics logged
+  during a DP fit are computed on private examples without noise (a validation
+  split carved from the fit's data is private too). A callback that stops
+  training, changes the learning rate or picks a checkpoint from them makes the
+  released weights depend on private data through a channel the accountant does
+  not count.
 """
-
-import types
-import warnings
 
 import keras
 
@@ -36,29 +36,12 @@ _NON_PRIVATE_REFUSED = (
     "guarantee protects), say so first: keras_dp_lm.training.allow_non_private_fit(model).")
 
 
+_ALLOWED = "_keras_dp_lm_non_private_fit_allowed"
+
+
 def _has_dp_updates(model):
     ledger = ledger_of(model, create=False)
     return ledger is not None and ledger.updates > 0
-
-
-def _refused_step(model, data):
-    del data
-    raise RuntimeError(model.__dict__["_keras_dp_lm_refusal"])
-
-
-_refused_step._keras_dp_lm_refuses = True
-
-
-def refuse_non_private_training(model):
-    """Bind a train step that refuses, if ``model`` (compiled with a non-DP
-    optimizer) already has DP updates. Called by the patched ``compile``."""
-    if is_dp_optimizer(getattr(model, "optimizer", None)) or not _has_dp_updates(model):
-        return
-    # The message is read now: the step raises while Keras traces it.
-    model.__dict__["_keras_dp_lm_refusal"] = _NON_PRIVATE_REFUSED.format(
-        updates=ledger_of(model).updates, optimizer=type(model.optimizer).__name__)
-    model.train_step = types.MethodType(_refused_step, model)
-    model.train_function = None
 
 
 def allow_non_private_fit(model):
@@ -82,10 +65,12 @@ def allow_non_private_fit(model):
         >>> kdp.ledger_of(model).updates  # the public updates are not DP updates
         1
     """
-    bound = model.__dict__.get("train_step")
-    if getattr(getattr(bound, "__func__", None), "_keras_dp_lm_refuses", False):
-        del model.__dict__["train_step"]
-        model.train_function = None
+    model.__dict__[_ALLOWED] = True
+
+
+def forget_permission(model):
+    """Drop :func:`allow_non_private_fit`'s permission (the patched ``compile``)."""
+    model.__dict__.pop(_ALLOWED, None)
 
 
 # Callbacks that change training from a monitored value, and how to read it.
@@ -100,26 +85,39 @@ def _monitored(callback):
     return None
 
 
-def warn_on_decisions_from_private_logs(model, callbacks):
-    """Warn if a DP fit's ``callbacks`` act on a training loss or metric.
+def check_training_is_private(model, callbacks=None, validation_split=0.0):
+    """Refuse, before any update, training that the ledger could not count.
 
-    Those values are computed on private training examples without noise:
-    stopping, changing the learning rate or keeping a checkpoint because of
-    them is a release the accountant does not count. Values on validation data
-    (``val_`` names) are about examples the model does not train on.
+    Called by the patched ``fit`` and ``train_on_batch``. Raises
+    ``RuntimeError`` if a model with DP updates would train with a non-DP
+    optimizer, and ``ValueError`` if a DP fit's ``callbacks`` decide from a
+    value computed on private examples: a training loss or metric, or a
+    ``val_`` value of a ``validation_split`` (carved from the private data).
     """
-    if not is_dp_optimizer(getattr(model, "optimizer", None)) or not callbacks:
+    optimizer = getattr(model, "optimizer", None)
+    if not is_dp_optimizer(optimizer):
+        if _has_dp_updates(model) and not model.__dict__.get(_ALLOWED, False):
+            raise RuntimeError(_NON_PRIVATE_REFUSED.format(
+                updates=ledger_of(model).updates, optimizer=type(optimizer).__name__))
         return
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
-    for callback in callbacks:
+    for callback in callbacks or ():
         monitor = _monitored(callback)
-        if monitor is not None and not str(monitor).startswith("val_"):
-            warnings.warn(
-                f"{type(callback).__name__} acts on '{monitor}', a value computed on "
-                "private training examples without noise: what it decides (stopping, "
-                "the learning rate, the checkpoint kept) depends on private data "
-                "outside the DP guarantee, and the accountant does not count it. "
-                "Monitor a value on held-out data (a 'val_' metric) or on public data, "
-                "or stop by the privacy budget (keras_dp_lm.PrivacyAccountant).",
-                UserWarning, stacklevel=3)
+        if monitor is None:
+            continue
+        if not str(monitor).startswith("val_"):
+            source = "private training examples"
+        elif validation_split:
+            source = f"the validation_split ({validation_split}) carved from the private data"
+        else:
+            continue
+        raise ValueError(
+            f"keras_dp_lm refused the DP fit: {type(callback).__name__} acts on "
+            f"'{monitor}', a value computed on {source} without noise. What it "
+            "decides (stopping, the learning rate, the checkpoint kept) would depend "
+            "on private data outside the DP guarantee, and the accountant cannot "
+            "count it. Remove it, or monitor a 'val_' value on held-out data you pass "
+            "as validation_data, or stop by the privacy budget "
+            "(keras_dp_lm.PrivacyAccountant). Non-finite examples are already dropped "
+            "from the update and count as 0 in the logged loss.")

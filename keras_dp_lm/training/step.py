@@ -733,12 +733,11 @@ def _compile_with_dp_binding(self, *args, **kwargs):
             self.make_train_function = _dp_make_train_function(self)
         if hasattr(self, "preprocess_samples"):
             self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
-    else:
-        if isinstance(own.get("train_step"), types.MethodType) and \
-                own["train_step"].__func__ is dp_train_step:
-            del own["train_step"]  # recompiled without DP: unbind
-            own.pop("make_train_function", None)
-        fit_guards.refuse_non_private_training(self)
+    elif isinstance(own.get("train_step"), types.MethodType) and \
+            own["train_step"].__func__ is dp_train_step:
+        del own["train_step"]  # recompiled without DP: unbind
+        own.pop("make_train_function", None)
+    fit_guards.forget_permission(self)
 
 
 _original_symbolic_build = internals.TensorFlowTrainer._maybe_symbolic_build
@@ -796,17 +795,29 @@ def _fit_releasing_limits(self, *args, **kwargs):
     """``fit``, after which the limits a :class:`PrivacyAccountant` registered
     on the model's ledger are cleared also when the fit raised (Keras then
     skips ``on_train_end``): stale limits would check, and record the rate
-    of, later fits that have no accountant. A DP fit first warns about
-    callbacks acting on private training values
-    (:func:`~keras_dp_lm.training.fit_guards.warn_on_decisions_from_private_logs`)."""
-    callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
-    fit_guards.warn_on_decisions_from_private_logs(self, callbacks)
+    of, later fits that have no accountant. Training the ledger could not
+    count is refused first
+    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
+    fit_guards.check_training_is_private(
+        self, kwargs.get("callbacks", args[5] if len(args) > 5 else None),
+        kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0))
     try:
         return _original_fit(self, *args, **kwargs)
     finally:
         ledger = ledger_of(self, create=False)
         if ledger is not None:
             ledger.clear_limits()
+
+
+_original_train_on_batch = internals.TensorFlowTrainer.train_on_batch
+
+
+@functools.wraps(_original_train_on_batch)
+def _train_on_batch_checked(self, *args, **kwargs):
+    """``train_on_batch``, refused first if the ledger could not count it
+    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
+    fit_guards.check_training_is_private(self)
+    return _original_train_on_batch(self, *args, **kwargs)
 
 
 def install():
@@ -827,5 +838,7 @@ def install():
     tf_trainer = internals.TensorFlowTrainer
     if tf_trainer.fit is not _fit_releasing_limits:
         tf_trainer.fit = _fit_releasing_limits
+    if tf_trainer.train_on_batch is not _train_on_batch_checked:
+        tf_trainer.train_on_batch = _train_on_batch_checked
     if tf_trainer._maybe_symbolic_build is not _symbolic_build_distributed_safe:
         tf_trainer._maybe_symbolic_build = _symbolic_build_distributed_safe
