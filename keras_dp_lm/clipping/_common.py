@@ -46,7 +46,13 @@ def _weighted_sum(c, per):
     c, per = tf.cast(c, tf.float32), tf.cast(per, tf.float32)
     if _in_xla():
         return tf.reduce_sum(per * tf.reshape(c, [-1] + [1] * (per.shape.rank - 1)), axis=0)
-    return tf.tensordot(c, per, axes=[[0], [0]])
+    rest = per.shape[1:]
+    if not rest.is_fully_defined():
+        return tf.tensordot(c, per, axes=[[0], [0]])
+    # The product tensordot computes, [1, B] x [B, rest], without the ~30 shape
+    # ops it adds for a dynamic batch axis (a sizeable part of a trace).
+    flat = tf.reshape(per, [-1, rest.num_elements()])
+    return tf.reshape(tf.matmul(c[None, :], flat), rest)
 
 
 def _reduce_to_shape(g, shape):
