@@ -173,14 +173,9 @@ def main():
     def ratio(name, clock):
         return statistics.median(r[clock]["dp"] / r[clock]["nonprivate"] for r in results[name])
 
-    def med(name, clock, mode):
-        return statistics.median(r[clock][mode] for r in results[name])
-
-    rows = []
-    for clock in ("cpu", "wall"):
-        for name, rev in (("base", args.base), ("head", head + (" + uncommitted" if dirty else ""))):
-            rows.append(f"| {rev} | {clock} | {med(name, clock, 'nonprivate'):.3f} | "
-                        f"{med(name, clock, 'dp'):.3f} | {ratio(name, clock):.3f}x |")
+    rows = [f"| {rev} | {clock} | {nonprivate:.3f} | {dp:.3f} | {ratio(name, clock):.3f}x |"
+            for rev, name, clock, nonprivate, dp in _medians(args, head, dirty, results,
+                                                             ("cpu", "wall"))]
     change = {c: ratio("head", c) / ratio("base", c) for c in ("cpu", "wall")}
     section = "\n".join([
         "## Regression check: the DP step now vs before this round",
@@ -210,16 +205,19 @@ def main():
         _write(section)
 
 
-def _first_step_report(args, head, dirty, results):
-    def med(name, clock, mode):
-        return statistics.median(r[clock][mode] for r in results[name])
+def _medians(args, head, dirty, results, clocks):
+    """``(revision, tree, clock, non-private median, DP median)`` per clock and tree."""
+    revisions = (("base", args.base), ("head", head + (" + uncommitted" if dirty else "")))
+    return [(rev, name, clock,
+             statistics.median(r[clock]["nonprivate"] for r in results[name]),
+             statistics.median(r[clock]["dp"] for r in results[name]))
+            for clock in clocks for name, rev in revisions]
 
-    rows = []
-    for clock in ("wall", "cpu"):
-        for name, rev in (("base", args.base), ("head", head + (" + uncommitted" if dirty else ""))):
-            rows.append(f"| {rev} | {clock} | {med(name, clock, 'nonprivate'):.1f} | "
-                        f"{med(name, clock, 'dp'):.1f} | "
-                        f"{med(name, clock, 'dp') / med(name, clock, 'nonprivate'):.2f}x |")
+
+def _first_step_report(args, head, dirty, results):
+    rows = [f"| {rev} | {clock} | {nonprivate:.1f} | {dp:.1f} | {dp / nonprivate:.2f}x |"
+            for rev, _, clock, nonprivate, dp in _medians(args, head, dirty, results,
+                                                          ("wall", "cpu"))]
     section = "\n".join([
         "## First step: tracing the DP step vs non-private",
         "",
