@@ -1176,3 +1176,14 @@ def test_callbacks_deciding_from_private_values_are_refused():
     model.fit(x[:4], y[:4], batch_size=4, verbose=0, validation_data=(x[:4], y[:4]),
               callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])
     assert kdp.ledger_of(model).updates == 5
+
+
+def test_a_plain_optimizer_assigned_to_a_dp_model_is_refused_with_a_clear_error():
+    """r34 L2: assigning a non-DP optimizer after compile failed closed with
+    "AttributeError: 'SGD' object has no attribute 'freeze_privacy_parameters'"."""
+    x, y = _data(8)
+    model = _dense(noise_multiplier=1.0)
+    model.optimizer = keras.optimizers.SGD()
+    with pytest.raises(RuntimeError, match="Assigning model.optimizer does not recompile"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    assert kdp.ledger_of(model).updates == 0

@@ -534,6 +534,8 @@ def dp_train_step(model, data):
     on the first micro-batch only. Neither is differentially private.
     """
     optimizer = model.optimizer
+    if not is_dp_optimizer(optimizer):
+        raise RuntimeError(_SWAPPED_OPTIMIZER.format(type(optimizer).__name__))
     refusals.check_model(model)
     optimizer.freeze_privacy_parameters()
     if not optimizer.built:
@@ -798,6 +800,7 @@ def _fit_releasing_limits(self, *args, **kwargs):
     of, later fits that have no accountant. Training the ledger could not
     count is refused first
     (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
+    _refuse_swapped_optimizer(self)
     fit_guards.check_training_is_private(
         self, kwargs.get("callbacks", args[5] if len(args) > 5 else None),
         kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0))
@@ -809,6 +812,24 @@ def _fit_releasing_limits(self, *args, **kwargs):
             ledger.clear_limits()
 
 
+_SWAPPED_OPTIMIZER = (
+    "keras_dp_lm refused to train: model.optimizer is now {}, not a keras_dp_lm DP "
+    "optimizer, but the model was compiled for DP training. Assigning model.optimizer "
+    "does not recompile: compile with the optimizer you want, e.g. "
+    "model.compile(optimizer=keras_dp_lm.DPAdam(...), ...).")
+
+
+def _refuse_swapped_optimizer(model):
+    """A model compiled for DP whose ``optimizer`` was then assigned a non-DP
+    one: refused with a message (Keras's retrace would fail on a missing
+    attribute of the plain optimizer)."""
+    bound = model.__dict__.get("train_step")
+    optimizer = getattr(model, "optimizer", None)
+    if (isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
+            and not is_dp_optimizer(optimizer)):
+        raise RuntimeError(_SWAPPED_OPTIMIZER.format(type(optimizer).__name__))
+
+
 _original_train_on_batch = internals.TensorFlowTrainer.train_on_batch
 
 
@@ -816,6 +837,7 @@ _original_train_on_batch = internals.TensorFlowTrainer.train_on_batch
 def _train_on_batch_checked(self, *args, **kwargs):
     """``train_on_batch``, refused first if the ledger could not count it
     (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
+    _refuse_swapped_optimizer(self)
     fit_guards.check_training_is_private(self)
     return _original_train_on_batch(self, *args, **kwargs)
 
