@@ -1172,6 +1172,15 @@ def test_callbacks_deciding_from_private_values_are_refused():
     with pytest.raises(ValueError, match="validation_split"):
         model.fit(x, y, batch_size=4, verbose=0, validation_split=0.25,
                   callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])
+    # r34c C2 / C4: nested callbacks (Keras flattens them) and a 'val_' name
+    # without validation_data (a training metric the user named so)
+    stop = keras.callbacks.EarlyStopping(monitor="loss")
+    for nested in ([[stop]], {"stop": stop}, [keras.callbacks.CallbackList([stop])]):
+        with pytest.raises(ValueError, match="EarlyStopping acts on 'loss'"):
+            model.fit(x[:4], y[:4], batch_size=4, verbose=0, callbacks=nested)
+    with pytest.raises(ValueError, match="no validation_data"):
+        model.fit(x[:4], y[:4], batch_size=4, verbose=0,
+                  callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])
     assert kdp.ledger_of(model).updates == 4  # refused before any update
     model.fit(x[:4], y[:4], batch_size=4, verbose=0, validation_data=(x[:4], y[:4]),
               callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])
@@ -1187,3 +1196,36 @@ def test_a_plain_optimizer_assigned_to_a_dp_model_is_refused_with_a_clear_error(
     with pytest.raises(RuntimeError, match="Assigning model.optimizer does not recompile"):
         model.fit(x, y, batch_size=8, verbose=0)
     assert kdp.ledger_of(model).updates == 0
+
+
+def test_dp_trained_weights_are_not_trained_unnoised_through_another_model():
+    """r34c C1: a model compiled without DP and fitted once, then assigned a DP
+    optimizer without compile, trained with Keras's traced plain step (weights
+    moved 0.041, epsilon logged 0.0). C3: a model wrapping or sharing a DP
+    model's layers, compiled without DP, trained them unnoised (a later DP fit
+    reported 5.46; true: infinite)."""
+    x, y = _data(8)
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    plain.compile(optimizer="sgd", loss=SCCE)
+    plain.fit(x, y, batch_size=8, verbose=0)
+    plain.optimizer = kdp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=1.0)
+    weights = _weights(plain)
+    with pytest.raises(RuntimeError, match="Assigning model.optimizer does not recompile"):
+        plain.fit(x, y, batch_size=8, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(plain)))
+
+    dp_model = _dense(noise_multiplier=1.0)
+    dp_model.fit(x, y, batch_size=8, verbose=0)
+    weights = _weights(dp_model)
+    wrapper = keras.Sequential([dp_model])
+    wrapper.compile(optimizer="sgd", loss=SCCE)
+    with pytest.raises(RuntimeError, match="contains the model"):
+        wrapper.fit(x, y, batch_size=8, verbose=0)
+    sharing = keras.Model(dp_model.inputs, dp_model.outputs)
+    sharing.compile(optimizer="sgd", loss=SCCE)
+    with pytest.raises(RuntimeError, match="were trained by another model's DP training"):
+        sharing.fit(x, y, batch_size=8, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(dp_model)))
+    kdp.training.allow_non_private_fit(sharing)  # public data: allowed when said
+    sharing.fit(x, y, batch_size=8, verbose=0)
+    assert kdp.ledger_of(dp_model).updates == 1

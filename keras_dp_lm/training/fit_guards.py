@@ -85,24 +85,78 @@ def _monitored(callback):
     return None
 
 
-def check_training_is_private(model, callbacks=None, validation_split=0.0):
+_DP_TRAINED = "_keras_dp_lm_dp_trained"  # marks a variable a DP fit has trained
+
+_SHARED_REFUSED = (
+    "keras_dp_lm refused to train: {what} DP training, and this model is compiled with "
+    "{optimizer}, which is not a keras_dp_lm DP optimizer. Its updates to those "
+    "weights would be neither clipped nor noised, and the DP model's ledger could not "
+    "count them. Compile this model with a DP optimizer (it then has a ledger of its "
+    "own), or, if the data of its next fits is public, say so first: "
+    "keras_dp_lm.training.allow_non_private_fit(model).")
+
+
+def _inner_models(model):
+    stack = list(getattr(model, "layers", ()))
+    while stack:
+        layer = stack.pop()
+        if isinstance(layer, keras.Model):
+            yield layer
+            stack.extend(getattr(layer, "layers", ()))
+
+
+def _flat_callbacks(callbacks):
+    """Every callback in ``callbacks`` as Keras will run them: nested lists,
+    dicts and ``CallbackList``s flattened (Keras's own ``tree.flatten``)."""
+    stack, flat = list(keras.tree.flatten(callbacks or [])), []
+    while stack:
+        callback = stack.pop()
+        if isinstance(callback, keras.callbacks.CallbackList):
+            stack.extend(keras.tree.flatten(callback.callbacks))
+        else:
+            flat.append(callback)
+    return flat
+
+
+def _refuse_non_private(model, optimizer):
+    if model.__dict__.get(_ALLOWED, False):
+        return
+    name = type(optimizer).__name__
+    if _has_dp_updates(model):
+        raise RuntimeError(_NON_PRIVATE_REFUSED.format(
+            updates=ledger_of(model).updates, optimizer=name))
+    inner = next((m for m in _inner_models(model) if _has_dp_updates(m)), None)
+    if inner is not None:
+        raise RuntimeError(_SHARED_REFUSED.format(
+            what=f"it contains the model '{inner.name}', whose ledger holds "
+                 f"{ledger_of(inner).updates} DP updates from", optimizer=name))
+    shared = [v for v in model.trainable_variables if getattr(v, _DP_TRAINED, False)]
+    if shared:
+        raise RuntimeError(_SHARED_REFUSED.format(
+            what=f"{len(shared)} of its trainable variables (e.g. {shared[0].path}) "
+                 "were trained by another model's", optimizer=name))
+
+
+def check_training_is_private(model, callbacks=None, validation_split=0.0,
+                              validation_data=None):
     """Refuse, before any update, training that the ledger could not count.
 
     Called by the patched ``fit`` and ``train_on_batch``. Raises
-    ``RuntimeError`` if a model with DP updates would train with a non-DP
-    optimizer, and ``ValueError`` if a DP fit's ``callbacks`` decide from a
-    value computed on private examples: a training loss or metric, or a
-    ``val_`` value of a ``validation_split`` (carved from the private data).
+    ``RuntimeError`` if a model would train with a non-DP optimizer weights
+    that DP training has updated: its own (its ledger holds DP updates), an
+    inner model's, or variables it shares with a model a DP fit trained. Raises
+    ``ValueError`` if a DP fit's ``callbacks`` decide from a value computed on
+    private examples: a training loss or metric, or a ``val_`` value when no
+    held-out ``validation_data`` is given (none, or a ``validation_split``
+    carved from the private data).
     """
     optimizer = getattr(model, "optimizer", None)
     if not is_dp_optimizer(optimizer):
-        if _has_dp_updates(model) and not model.__dict__.get(_ALLOWED, False):
-            raise RuntimeError(_NON_PRIVATE_REFUSED.format(
-                updates=ledger_of(model).updates, optimizer=type(optimizer).__name__))
+        _refuse_non_private(model, optimizer)
         return
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    for callback in callbacks or ():
+    for variable in model.trainable_variables:
+        setattr(variable, _DP_TRAINED, True)
+    for callback in _flat_callbacks(callbacks):
         monitor = _monitored(callback)
         if monitor is None:
             continue
@@ -110,6 +164,8 @@ def check_training_is_private(model, callbacks=None, validation_split=0.0):
             source = "private training examples"
         elif validation_split:
             source = f"the validation_split ({validation_split}) carved from the private data"
+        elif validation_data is None:
+            source = "private training examples (this fit has no validation_data)"
         else:
             continue
         raise ValueError(

@@ -803,7 +803,8 @@ def _fit_releasing_limits(self, *args, **kwargs):
     _refuse_swapped_optimizer(self)
     fit_guards.check_training_is_private(
         self, kwargs.get("callbacks", args[5] if len(args) > 5 else None),
-        kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0))
+        kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
+        kwargs.get("validation_data", args[7] if len(args) > 7 else None))
     try:
         return _original_fit(self, *args, **kwargs)
     finally:
@@ -819,15 +820,26 @@ _SWAPPED_OPTIMIZER = (
     "model.compile(optimizer=keras_dp_lm.DPAdam(...), ...).")
 
 
+_ASSIGNED_DP_OPTIMIZER = (
+    "keras_dp_lm refused to train: model.optimizer is a DP optimizer, but the model "
+    "was compiled without one, so Keras's train function (traced, or traced at the "
+    "next fit) runs the plain step: no clipping, no noise, nothing in the ledger. "
+    "Assigning model.optimizer does not recompile: call "
+    "model.compile(optimizer=<the DP optimizer>, ...).")
+
+
 def _refuse_swapped_optimizer(model):
-    """A model compiled for DP whose ``optimizer`` was then assigned a non-DP
-    one: refused with a message (Keras's retrace would fail on a missing
-    attribute of the plain optimizer)."""
+    """Refuse an optimizer assigned without ``compile`` across the DP line: a
+    non-DP one on a model compiled for DP (Keras's retrace would fail on a
+    missing attribute), or a DP one on a model compiled without DP (Keras
+    would run the plain step and its optimizer, r34c C1)."""
     bound = model.__dict__.get("train_step")
+    compiled_for_dp = isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
     optimizer = getattr(model, "optimizer", None)
-    if (isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
-            and not is_dp_optimizer(optimizer)):
+    if compiled_for_dp and not is_dp_optimizer(optimizer):
         raise RuntimeError(_SWAPPED_OPTIMIZER.format(type(optimizer).__name__))
+    if is_dp_optimizer(optimizer) and not compiled_for_dp:
+        raise RuntimeError(_ASSIGNED_DP_OPTIMIZER)
 
 
 _original_train_on_batch = internals.TensorFlowTrainer.train_on_batch
