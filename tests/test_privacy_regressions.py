@@ -1198,7 +1198,7 @@ def test_a_plain_optimizer_assigned_to_a_dp_model_is_refused_with_a_clear_error(
     assert kdp.ledger_of(model).updates == 0
 
 
-def test_dp_trained_weights_are_not_trained_unnoised_through_another_model():
+def test_dp_trained_weights_are_not_trained_unnoised_through_another_model(tmp_path):
     """r34c C1: a model compiled without DP and fitted once, then assigned a DP
     optimizer without compile, trained with Keras's traced plain step (weights
     moved 0.041, epsilon logged 0.0). C3: a model wrapping or sharing a DP
@@ -1223,9 +1223,24 @@ def test_dp_trained_weights_are_not_trained_unnoised_through_another_model():
         wrapper.fit(x, y, batch_size=8, verbose=0)
     sharing = keras.Model(dp_model.inputs, dp_model.outputs)
     sharing.compile(optimizer="sgd", loss=SCCE)
-    with pytest.raises(RuntimeError, match="were trained by another model's DP training"):
+    with pytest.raises(RuntimeError, match="hold weights from DP training"):
         sharing.fit(x, y, batch_size=8, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(dp_model)))
     kdp.training.allow_non_private_fit(sharing)  # public data: allowed when said
     sharing.fit(x, y, batch_size=8, verbose=0)
     assert kdp.ledger_of(dp_model).updates == 1
+    # r34d D1: the same patterns on DP weights loaded from a file (the marks
+    # come with the ledger), and on weights trained only through make_private
+    path = tmp_path / "dp.keras"
+    dp_model.save(path)
+    loaded = keras.models.load_model(path)
+    new_head = keras.Model(loaded.inputs, keras.layers.Dense(2)(loaded.outputs[0]))
+    new_head.compile(optimizer="adam", loss=SCCE)
+    with pytest.raises(RuntimeError, match="hold weights from DP training"):
+        new_head.fit(x, y % 2, batch_size=8, verbose=0)
+    custom = _dense(seed=3, noise_multiplier=1.0)
+    kdp.make_private(custom)((x, y))
+    reuse = keras.Sequential(custom.layers)
+    reuse.compile(optimizer="sgd", loss=SCCE)
+    with pytest.raises(RuntimeError, match="hold weights from DP training"):
+        reuse.fit(x, y, batch_size=8, verbose=0)

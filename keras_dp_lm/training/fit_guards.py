@@ -23,6 +23,7 @@ refused before any update, by :func:`check_training_is_private`:
 import keras
 
 from keras_dp_lm.optimizers import is_dp_optimizer
+from keras_dp_lm.training.ledger import is_dp_trained
 from keras_dp_lm.training.ledger import ledger_of
 
 _NON_PRIVATE_REFUSED = (
@@ -85,8 +86,6 @@ def _monitored(callback):
     return None
 
 
-_DP_TRAINED = "_keras_dp_lm_dp_trained"  # marks a variable a DP fit has trained
-
 _SHARED_REFUSED = (
     "keras_dp_lm refused to train: {what} DP training, and this model is compiled with "
     "{optimizer}, which is not a keras_dp_lm DP optimizer. Its updates to those "
@@ -130,11 +129,13 @@ def _refuse_non_private(model, optimizer):
         raise RuntimeError(_SHARED_REFUSED.format(
             what=f"it contains the model '{inner.name}', whose ledger holds "
                  f"{ledger_of(inner).updates} DP updates from", optimizer=name))
-    shared = [v for v in model.trainable_variables if getattr(v, _DP_TRAINED, False)]
+    shared = [v for v in model.trainable_variables if is_dp_trained(v)]
     if shared:
         raise RuntimeError(_SHARED_REFUSED.format(
-            what=f"{len(shared)} of its trainable variables (e.g. {shared[0].path}) "
-                 "were trained by another model's", optimizer=name))
+            what=f"{len(shared)} of its trainable variables (e.g. {shared[0].path}) hold "
+                 "weights from DP training (a DP step trained them, in this model or "
+                 "another, or they were loaded with a ledger holding DP updates), "
+                 "that is,", optimizer=name))
 
 
 def check_training_is_private(model, callbacks=None, validation_split=0.0,
@@ -154,8 +155,6 @@ def check_training_is_private(model, callbacks=None, validation_split=0.0,
     if not is_dp_optimizer(optimizer):
         _refuse_non_private(model, optimizer)
         return
-    for variable in model.trainable_variables:
-        setattr(variable, _DP_TRAINED, True)
     for callback in _flat_callbacks(callbacks):
         monitor = _monitored(callback)
         if monitor is None:

@@ -124,6 +124,11 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.unit.assign(unit)
         self.poisson_seen.assign(np.asarray(store["poisson_seen"], dtype="float64")
                                  if "poisson_seen" in list(store.keys()) else np.zeros((3,)))
+        holder = self.__dict__.get("_holder", lambda: None)()
+        if rows and holder is not None:
+            # The weights loaded with these DP updates refuse non-DP training,
+            # also inside another model (keras_dp_lm.training.fit_guards).
+            mark_dp_trained(holder.weights)
 
     # -- reading ---------------------------------------------------------------
     def rows(self):
@@ -302,8 +307,26 @@ def ledger_of(model, create=True):
     ledger = holder.__dict__.get("_keras_dp_lm_ledger")
     if ledger is None and create:
         ledger = PrivacyLedger()
+        ledger.__dict__["_holder"] = weakref.ref(holder)
         holder.__dict__["_keras_dp_lm_ledger"] = ledger
     return ledger
+
+
+_DP_TRAINED = "_keras_dp_lm_dp_trained"
+
+
+def mark_dp_trained(variables):
+    """Mark ``variables`` as holding DP-trained weights: a DP step traced
+    them, or they were loaded with a ledger holding DP updates. Any model
+    then refuses to train them with a non-DP optimizer
+    (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`)."""
+    for variable in variables:
+        setattr(variable, _DP_TRAINED, True)
+
+
+def is_dp_trained(variable):
+    """Whether :func:`mark_dp_trained` marked ``variable``."""
+    return getattr(variable, _DP_TRAINED, False)
 
 
 class _LedgerView(keras_internals.KerasSaveable):

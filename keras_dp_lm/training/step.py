@@ -36,6 +36,7 @@ from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.ledger import mark_dp_trained
 from keras_dp_lm.training.ledger import saved_ledger
 from keras_dp_lm.training.losses import per_example_losses
 from keras_dp_lm.training.losses import regularization_loss
@@ -538,6 +539,7 @@ def dp_train_step(model, data):
         raise RuntimeError(_SWAPPED_OPTIMIZER.format(type(optimizer).__name__))
     refusals.check_model(model)
     optimizer.freeze_privacy_parameters()
+    mark_dp_trained(model.trainable_variables)  # as traced: fit, train_on_batch, make_private
     if not optimizer.built:
         # Keras builds an unbuilt optimizer inside the traced step; under XLA
         # (jit_compile=True) the wrapped optimizer's slots would then be read
