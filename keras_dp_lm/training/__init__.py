@@ -20,8 +20,9 @@ from keras_dp_lm.training.step import install
 from keras_dp_lm.training.step import make_private
 
 __all__ = ["ClippedBatch", "PrivacyLedger", "allow_non_private_fit", "check_model",
-           "check_model_is_private_compatible", "dp_clipped_gradient", "dp_train_step", "install", "ledger_of", "make_private",
-           "per_example_losses", "reduce_per_example", "regularization_loss"]
+           "check_model_is_private_compatible", "dp_clipped_gradient", "dp_train_step",
+           "install", "ledger_of", "make_private", "per_example_losses",
+           "reduce_per_example", "regularization_loss"]
 
 from keras_dp_lm import _activate_if_pending  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Guards at the start of ``fit`` / ``train_on_batch`` for a model that has DP updates.
 
-Two paths Keras offers lie outside what the privacy ledger can count; both are
+Paths Keras offers that lie outside what the privacy ledger can count are
 refused before any update, by :func:`check_training_is_private`:
 
 * **Non-private updates after private ones.** A model whose ledger holds DP
@@ -18,11 +18,14 @@ refused before any update, by :func:`check_training_is_private`:
   training, changes the learning rate or picks a checkpoint from them makes the
   released weights depend on private data through a channel the accountant does
   not count.
+* **An optimizer assigned without compile across the DP line**
+  (:func:`check_optimizer_matches_step`): Keras keeps the step it traced.
 """
 
 import keras
 
 from keras_dp_lm.optimizers import is_dp_optimizer
+from keras_dp_lm.training.ledger import any_dp_trained
 from keras_dp_lm.training.ledger import is_dp_trained
 from keras_dp_lm.training.ledger import ledger_of
 
@@ -118,7 +121,7 @@ def _flat_callbacks(callbacks):
 
 
 def _refuse_non_private(model, optimizer):
-    if model.__dict__.get(_ALLOWED, False):
+    if not any_dp_trained() or model.__dict__.get(_ALLOWED, False):
         return
     name = type(optimizer).__name__
     if _has_dp_updates(model):
@@ -138,12 +141,41 @@ def _refuse_non_private(model, optimizer):
                  "that is,", optimizer=name))
 
 
-def check_training_is_private(model, callbacks=None, validation_split=0.0,
+_SWAPPED_OPTIMIZER = (
+    "keras_dp_lm refused to train: model.optimizer is now {}, not a keras_dp_lm DP "
+    "optimizer, but the model was compiled for DP training. Assigning model.optimizer "
+    "does not recompile: compile with the optimizer you want, e.g. "
+    "model.compile(optimizer=keras_dp_lm.DPAdam(...), ...).")
+
+_ASSIGNED_DP_OPTIMIZER = (
+    "keras_dp_lm refused to train: model.optimizer is a DP optimizer, but the model "
+    "was compiled without one, so Keras's train function (traced, or traced at the "
+    "next fit) runs the plain step: no clipping, no noise, nothing in the ledger. "
+    "Assigning model.optimizer does not recompile: call "
+    "model.compile(optimizer=<the DP optimizer>, ...).")
+
+
+def check_optimizer_matches_step(model, compiled_for_dp):
+    """Refuse an optimizer assigned without ``compile`` across the DP line: a
+    non-DP one on a model compiled for DP (Keras's retrace would fail on a
+    missing attribute), or a DP one on a model compiled without DP (Keras runs
+    its traced plain step and plain optimizer, r34c C1)."""
+    optimizer = getattr(model, "optimizer", None)
+    if compiled_for_dp and not is_dp_optimizer(optimizer):
+        raise RuntimeError(_SWAPPED_OPTIMIZER.format(type(optimizer).__name__))
+    if is_dp_optimizer(optimizer) and not compiled_for_dp:
+        raise RuntimeError(_ASSIGNED_DP_OPTIMIZER)
+
+
+def check_training_is_private(model, compiled_for_dp, callbacks=None, validation_split=0.0,
                               validation_data=None):
     """Refuse, before any update, training that the ledger could not count.
 
-    Called by the patched ``fit`` and ``train_on_batch``. Raises
-    ``RuntimeError`` if a model would train with a non-DP optimizer weights
+    Called by the patched ``fit`` and ``train_on_batch``; ``compiled_for_dp``
+    says whether the model's ``train_step`` is the DP step. Raises
+    ``RuntimeError`` for an optimizer assigned across the DP line without
+    ``compile`` (:func:`check_optimizer_matches_step`), or if a model would
+    train with a non-DP optimizer weights
     that DP training has updated: its own (its ledger holds DP updates), an
     inner model's, or variables it shares with a model a DP fit trained. Raises
     ``ValueError`` if a DP fit's ``callbacks`` decide from a value computed on
@@ -151,6 +183,7 @@ def check_training_is_private(model, callbacks=None, validation_split=0.0,
     held-out ``validation_data`` is given (none, or a ``validation_split``
     carved from the private data).
     """
+    check_optimizer_matches_step(model, compiled_for_dp)
     optimizer = getattr(model, "optimizer", None)
     if not is_dp_optimizer(optimizer):
         _refuse_non_private(model, optimizer)

@@ -313,6 +313,7 @@ def ledger_of(model, create=True):
 
 
 _DP_TRAINED = "_keras_dp_lm_dp_trained"
+_ANY_MARKED = [False]  # set once any variable in this process is marked
 
 
 def mark_dp_trained(variables):
@@ -322,11 +323,19 @@ def mark_dp_trained(variables):
     (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`)."""
     for variable in variables:
         setattr(variable, _DP_TRAINED, True)
+    _ANY_MARKED[0] = True
 
 
 def is_dp_trained(variable):
     """Whether :func:`mark_dp_trained` marked ``variable``."""
     return getattr(variable, _DP_TRAINED, False)
+
+
+def any_dp_trained():
+    """Whether any variable of this process is marked. Every ledger row comes
+    from a traced DP step or a load, and both mark, so until then no model
+    holds DP updates (plain Keras training skips the guard's walk)."""
+    return _ANY_MARKED[0]
 
 
 class _LedgerView(keras_internals.KerasSaveable):

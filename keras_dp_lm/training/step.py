@@ -535,8 +535,7 @@ def dp_train_step(model, data):
     on the first micro-batch only. Neither is differentially private.
     """
     optimizer = model.optimizer
-    if not is_dp_optimizer(optimizer):
-        raise RuntimeError(_SWAPPED_OPTIMIZER.format(type(optimizer).__name__))
+    fit_guards.check_optimizer_matches_step(model, compiled_for_dp=True)
     refusals.check_model(model)
     optimizer.freeze_privacy_parameters()
     mark_dp_trained(model.trainable_variables)  # as traced: fit, train_on_batch, make_private
@@ -737,8 +736,7 @@ def _compile_with_dp_binding(self, *args, **kwargs):
             self.make_train_function = _dp_make_train_function(self)
         if hasattr(self, "preprocess_samples"):
             self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
-    elif isinstance(own.get("train_step"), types.MethodType) and \
-            own["train_step"].__func__ is dp_train_step:
+    elif _bound_to_dp_step(self):
         del own["train_step"]  # recompiled without DP: unbind
         own.pop("make_train_function", None)
     fit_guards.forget_permission(self)
@@ -802,9 +800,9 @@ def _fit_releasing_limits(self, *args, **kwargs):
     of, later fits that have no accountant. Training the ledger could not
     count is refused first
     (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
-    _refuse_swapped_optimizer(self)
     fit_guards.check_training_is_private(
-        self, kwargs.get("callbacks", args[5] if len(args) > 5 else None),
+        self, _bound_to_dp_step(self),
+        kwargs.get("callbacks", args[5] if len(args) > 5 else None),
         kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
         kwargs.get("validation_data", args[7] if len(args) > 7 else None))
     try:
@@ -815,33 +813,10 @@ def _fit_releasing_limits(self, *args, **kwargs):
             ledger.clear_limits()
 
 
-_SWAPPED_OPTIMIZER = (
-    "keras_dp_lm refused to train: model.optimizer is now {}, not a keras_dp_lm DP "
-    "optimizer, but the model was compiled for DP training. Assigning model.optimizer "
-    "does not recompile: compile with the optimizer you want, e.g. "
-    "model.compile(optimizer=keras_dp_lm.DPAdam(...), ...).")
-
-
-_ASSIGNED_DP_OPTIMIZER = (
-    "keras_dp_lm refused to train: model.optimizer is a DP optimizer, but the model "
-    "was compiled without one, so Keras's train function (traced, or traced at the "
-    "next fit) runs the plain step: no clipping, no noise, nothing in the ledger. "
-    "Assigning model.optimizer does not recompile: call "
-    "model.compile(optimizer=<the DP optimizer>, ...).")
-
-
-def _refuse_swapped_optimizer(model):
-    """Refuse an optimizer assigned without ``compile`` across the DP line: a
-    non-DP one on a model compiled for DP (Keras's retrace would fail on a
-    missing attribute), or a DP one on a model compiled without DP (Keras
-    would run the plain step and its optimizer, r34c C1)."""
+def _bound_to_dp_step(model):
+    """Whether ``model`` was compiled for DP (its ``train_step`` is the DP step)."""
     bound = model.__dict__.get("train_step")
-    compiled_for_dp = isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
-    optimizer = getattr(model, "optimizer", None)
-    if compiled_for_dp and not is_dp_optimizer(optimizer):
-        raise RuntimeError(_SWAPPED_OPTIMIZER.format(type(optimizer).__name__))
-    if is_dp_optimizer(optimizer) and not compiled_for_dp:
-        raise RuntimeError(_ASSIGNED_DP_OPTIMIZER)
+    return isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
 
 
 _original_train_on_batch = internals.TensorFlowTrainer.train_on_batch
@@ -851,8 +826,7 @@ _original_train_on_batch = internals.TensorFlowTrainer.train_on_batch
 def _train_on_batch_checked(self, *args, **kwargs):
     """``train_on_batch``, refused first if the ledger could not count it
     (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
-    _refuse_swapped_optimizer(self)
-    fit_guards.check_training_is_private(self)
+    fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
     return _original_train_on_batch(self, *args, **kwargs)
 
 
