@@ -48,6 +48,7 @@ bench: install data
 	$(PY) benchmarks/bench_clipping.py
 	$(PY) benchmarks/bench_dp_step.py
 	$(PY) benchmarks/bench_dp_step.py --users
+	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_vocab.py
 	$(PY) benchmarks/bench_sampler.py
 	$(PY) benchmarks/dp_decoding_utility.py
