@@ -7,9 +7,10 @@ LoRA (rank 8, batch 16, sequence 64) train step of ``bench_dp_step.py``:
 * ``dp, probe skipped``: the same DP step with the independence probe marked as passed
   instead of run (a diagnostic only: the package never skips it), which shows
   what the probe's first call costs on top of the step;
-* ``recompiles``: ``compile`` + ``train_on_batch`` three times on one model (plain
-  Adam, then DPAdam): the RSS each recompile leaves behind (after ``gc`` and
-  ``malloc_trim``), since every compile traces new functions.
+* ``recompiles``: ``compile`` + ``train_on_batch`` three times on one model, a new
+  optimizer each time (one process with plain Adam, one with DPAdam): the RSS each
+  recompile leaves behind (after ``gc`` and ``malloc_trim``), since every compile
+  traces new functions.
 
 It writes the ``memory`` section of ``benchmarks/RESULTS.md``.
 """

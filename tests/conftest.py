@@ -5,7 +5,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # Under pytest-xdist (`make test` runs 2 workers on 2 cores) each TensorFlow would
 # otherwise run as many intra-op threads as there are cores, so the workers' thread
 # pools oversubscribe the machine: share the cores out instead (one thread each on 2
-# cores; the full suite took 17.5 min instead of 19-20). Set the variable to override.
+# cores; the full suite took 16-17.5 min instead of 19-22). Set the variable to override.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
