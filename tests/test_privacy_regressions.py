@@ -1244,3 +1244,109 @@ def test_dp_trained_weights_are_not_trained_unnoised_through_another_model(tmp_p
     reuse.compile(optimizer="sgd", loss=SCCE)
     with pytest.raises(RuntimeError, match="hold weights from DP training"):
         reuse.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_train_functions_and_train_step_called_by_hand_are_checked():
+    """r34c C5: the guards ran in fit and train_on_batch only. A train function
+    made (or traced by a plain fit) before DP updates arrived, or Keras's
+    train_step called in a custom loop, trained DP-trained weights with a
+    plain optimizer, unclipped and unnoised."""
+    x, y = _data(8)
+    dp_model = _dense(noise_multiplier=1.0)
+    sharing = keras.Model(dp_model.inputs, dp_model.outputs)
+    sharing.compile(optimizer="sgd", loss=SCCE)
+    sharing.fit(x, y, batch_size=8, verbose=0)  # traced before any DP update
+    dp_model.fit(x, y, batch_size=8, verbose=0)
+    weights = _weights(dp_model)
+    batch = (tf.constant(x), tf.constant(y))
+    with pytest.raises(RuntimeError, match="hold weights from DP training"):
+        sharing.train_function(iter([batch]))
+    dp_model.compile(optimizer="sgd", loss=SCCE)
+    dp_model.make_train_function()
+    with pytest.raises(RuntimeError, match="holds 1 DP updates"):
+        dp_model.train_function(iter([batch]))
+    with pytest.raises(RuntimeError, match="holds 1 DP updates"):
+        dp_model.train_step(batch)  # a custom loop's step
+    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(dp_model)))
+    kdp.training.allow_non_private_fit(dp_model)  # public data: allowed when said
+    dp_model.train_step(batch)
+    assert not all(np.array_equal(a, b) for a, b in zip(weights, _weights(dp_model)))
+    fresh = _dense(seed=1)
+    fresh.compile(optimizer="sgd", loss=SCCE)
+    fresh.make_train_function()
+    fresh.train_function(iter([batch]))  # no DP weights: Keras as usual
+    fresh.train_step(batch)
+
+
+def test_the_permission_ends_when_dp_weights_arrive(tmp_path):
+    """r34c C6: allow_non_private_fit(model) outlived a later load_weights of a
+    DP file into the same model, whose private weights then trained unnoised.
+    The permission covers the weights the model had when it was given."""
+    x, y = _data(8)
+    model = _dense(noise_multiplier=1.0)
+    model.fit(x, y, batch_size=8, verbose=0)
+    model.save_weights(tmp_path / "dp.weights.h5")
+    model.compile(optimizer="sgd", loss=SCCE)
+    kdp.training.allow_non_private_fit(model)
+    model.fit(x, y, batch_size=8, verbose=0)  # public data, as said
+    model.load_weights(tmp_path / "dp.weights.h5")
+    weights = _weights(model)
+    with pytest.raises(RuntimeError, match="called before the DP-trained weights"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(RuntimeError, match="called before the DP-trained weights"):
+        model.train_on_batch(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    kdp.training.allow_non_private_fit(model)  # said again, for these weights
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert not all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+
+
+def test_training_values_logged_under_validation_names_are_refused():
+    """r34d D3: a DP fit with a metric the user named 'val_accuracy' and
+    validation_data that never ran (validation_freq beyond the epochs) logged the
+    private training value under the held-out name, and EarlyStopping acted on
+    it. The DP step now refuses such names before any update."""
+    x, y = _data(16)
+    model = _dense(noise_multiplier=1.0)
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=SCCE,
+                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="val_accuracy")])
+    weights = _weights(model)
+    stop = keras.callbacks.EarlyStopping(monitor="val_accuracy", mode="max", patience=0)
+    with pytest.raises(ValueError, match=r"\['val_accuracy'\].*Rename the metric"):
+        model.fit(x, y, batch_size=4, epochs=3, verbose=0, validation_data=(x, y),
+                  validation_freq=10, callbacks=[stop])
+    assert kdp.ledger_of(model).updates == 0
+    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=SCCE,
+                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_data=(x, y),
+              validation_freq=10, callbacks=[stop])
+    assert kdp.ledger_of(model).updates == 4
+
+
+def test_a_model_trained_inside_a_dp_model_records_its_updates(tmp_path):
+    """r34d D2: a model trained as a layer of an outer DP model got its updates
+    in the outer ledger only; saved or reused alone, its own ledger said 0
+    updates (no epsilon, no marks after a load)."""
+    x, y = _data(8)
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)], name="inner")
+    frozen = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)], name="frozen")
+    frozen.trainable = False  # a public encoder the step does not train
+    outer = keras.Sequential([frozen, inner, keras.layers.Dense(3)])
+    outer.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=SCCE)
+    accountant = PrivacyAccountant(delta=1e-3, dataset_size=8, batch_size=4)
+    outer.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[accountant])
+    assert kdp.ledger_of(outer).rows() == [(1.0, 0.5, 4.0, 4)]
+    assert kdp.ledger_of(inner).rows() == kdp.ledger_of(outer).rows()
+    assert kdp.ledger_of(frozen).updates == 0
+    inner.save(tmp_path / "inner.keras")
+    loaded = keras.models.load_model(tmp_path / "inner.keras")
+    assert kdp.ledger_of(loaded).rows() == [(1.0, 0.5, 4.0, 4)]
+    new_head = keras.Model(loaded.inputs, keras.layers.Dense(2)(loaded.outputs[0]))
+    new_head.compile(optimizer="adam", loss=SCCE)
+    with pytest.raises(RuntimeError, match="hold weights from DP training"):
+        new_head.fit(x, y % 2, batch_size=8, verbose=0)

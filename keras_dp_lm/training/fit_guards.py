@@ -26,8 +26,11 @@ import keras
 
 from keras_dp_lm.optimizers import is_dp_optimizer
 from keras_dp_lm.training.ledger import any_dp_trained
+from keras_dp_lm.training.ledger import inner_models
 from keras_dp_lm.training.ledger import is_dp_trained
 from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.ledger import marked_after
+from keras_dp_lm.training.ledger import marks_so_far
 
 _NON_PRIVATE_REFUSED = (
     "keras_dp_lm refused to train: this model's privacy ledger holds {updates} DP "
@@ -55,7 +58,10 @@ def allow_non_private_fit(model):
     non-DP optimizer are neither clipped nor noised, and the privacy ledger
     does not count them. Training on public data after DP training is
     post-processing and spends no privacy; training on private data this way
-    has no guarantee at all. The permission lasts until the next ``compile``.
+    has no guarantee at all. The permission lasts until the next ``compile``,
+    or until DP-trained weights next arrive in the model's variables (a file
+    with DP updates loaded into it, or a DP step traced on a variable it
+    shares), whichever comes first: it was given for the weights it had.
 
     Example:
         >>> import keras, numpy as np, keras_dp_lm as kdp
@@ -69,7 +75,7 @@ def allow_non_private_fit(model):
         >>> kdp.ledger_of(model).updates  # the public updates are not DP updates
         1
     """
-    model.__dict__[_ALLOWED] = True
+    model.__dict__[_ALLOWED] = marks_so_far()
 
 
 def forget_permission(model):
@@ -98,15 +104,6 @@ _SHARED_REFUSED = (
     "keras_dp_lm.training.allow_non_private_fit(model).")
 
 
-def _inner_models(model):
-    stack = list(getattr(model, "layers", ()))
-    while stack:
-        layer = stack.pop()
-        if isinstance(layer, keras.Model):
-            yield layer
-            stack.extend(getattr(layer, "layers", ()))
-
-
 def _flat_callbacks(callbacks):
     """Every callback in ``callbacks`` as Keras will run them: nested lists,
     dicts and ``CallbackList``s flattened (Keras's own ``tree.flatten``)."""
@@ -120,14 +117,29 @@ def _flat_callbacks(callbacks):
     return flat
 
 
+_PERMISSION_OUTDATED = (
+    "keras_dp_lm refused to train: allow_non_private_fit(model) was called before "
+    "the DP-trained weights now in {path} arrived (a file with DP updates loaded into "
+    "the model, or a DP step traced on a variable it shares). The permission covered "
+    "the weights the model had then. If the data of the next fits is still public, "
+    "call keras_dp_lm.training.allow_non_private_fit(model) again; otherwise compile "
+    "with a DP optimizer.")
+
+
 def _refuse_non_private(model, optimizer):
-    if not any_dp_trained() or model.__dict__.get(_ALLOWED, False):
+    if not any_dp_trained():
         return
+    allowed = model.__dict__.get(_ALLOWED)
+    if allowed is not None:
+        arrived = marked_after(model.trainable_variables, allowed)
+        if arrived is None:
+            return
+        raise RuntimeError(_PERMISSION_OUTDATED.format(path=arrived.path))
     name = type(optimizer).__name__
     if _has_dp_updates(model):
         raise RuntimeError(_NON_PRIVATE_REFUSED.format(
             updates=ledger_of(model).updates, optimizer=name))
-    inner = next((m for m in _inner_models(model) if _has_dp_updates(m)), None)
+    inner = next((m for m in inner_models(model) if _has_dp_updates(m)), None)
     if inner is not None:
         raise RuntimeError(_SHARED_REFUSED.format(
             what=f"it contains the model '{inner.name}', whose ledger holds "
@@ -171,7 +183,8 @@ def check_training_is_private(model, compiled_for_dp, callbacks=None, validation
                               validation_data=None):
     """Refuse, before any update, training that the ledger could not count.
 
-    Called by the patched ``fit`` and ``train_on_batch``; ``compiled_for_dp``
+    Called by the patched ``fit``, ``train_on_batch``, train functions and
+    ``train_step`` (:func:`keras_dp_lm.training.step.install`); ``compiled_for_dp``
     says whether the model's ``train_step`` is the DP step. Raises
     ``RuntimeError`` for an optimizer assigned across the DP line without
     ``compile`` (:func:`check_optimizer_matches_step`), or if a model would

@@ -229,6 +229,12 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         mean, q = limits[4], limits[1]
         return tf.stack([mean, mean * (1.0 - q), tf.constant(0.0, tf.float64)])
 
+    def recorded_rate(self, sampling_rate):
+        """The rate :meth:`record` writes for a batch carrying ``sampling_rate``:
+        at least the registered accountant's (see :meth:`record`)."""
+        return tf.maximum(tf.cast(sampling_rate, tf.float64),
+                          tf.convert_to_tensor(self.limits.value)[1])
+
     def record(self, noise_multiplier, sampling_rate, real_batch, ok, unit="example"):
         """Append one update (branch-free, so it runs in replica context and XLA)."""
         held = tf.convert_to_tensor(self.unit.value)
@@ -236,7 +242,6 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         table = tf.convert_to_tensor(self.table.value)
         rows = tf.convert_to_tensor(self.num_rows.value)
         sigma = tf.constant(noise_multiplier, tf.float64)
-        q = tf.cast(sampling_rate, tf.float64)
         # With an accountant attached, an update is recorded at its rate when
         # the batch carries a smaller one or none: a fixed-size batch at the
         # accountant's batch / dataset_size (which the check bounds it by), so
@@ -244,7 +249,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         # Poisson batch labelled with a smaller rate than the accountant allows
         # (its label is the user's word) at the accountant's. Without one, a
         # fixed-size batch has rate 0 (priced at the reader's dataset_size).
-        q = tf.maximum(q, tf.convert_to_tensor(self.limits.value)[1])
+        q = self.recorded_rate(sampling_rate)
         batch = tf.cast(real_batch, tf.float64)
         last = tf.maximum(rows - 1, 0)
         previous = tf.gather(table, last)
@@ -312,30 +317,69 @@ def ledger_of(model, create=True):
     return ledger
 
 
+def inner_models(model):
+    """Every ``keras.Model`` nested in ``model``'s layers, at any depth."""
+    stack = list(getattr(model, "layers", ()))
+    while stack:
+        layer = stack.pop()
+        if isinstance(layer, keras.Model):
+            yield layer
+            stack.extend(getattr(layer, "layers", ()))
+
+
+def inner_ledgers(model):
+    """The ledgers of the models nested in ``model`` whose weights a DP step of
+    ``model`` trains (created if missing), other than ``model``'s own: each
+    records the outer step's updates, so a nested model saved or reused alone
+    carries what its weights received (r34d D2)."""
+    own = ledger_of(model)
+    trained = {id(v) for v in model.trainable_variables}
+    ledgers = []
+    for inner in inner_models(model):
+        if any(id(v) in trained for v in inner.trainable_variables):
+            ledger = ledger_of(inner)
+            if ledger is not own and all(ledger is not seen for seen in ledgers):
+                ledgers.append(ledger)
+    return ledgers
+
+
 _DP_TRAINED = "_keras_dp_lm_dp_trained"
-_ANY_MARKED = [False]  # set once any variable in this process is marked
+_MARKS = [0]  # how many times variables were marked in this process (0: never)
 
 
 def mark_dp_trained(variables):
     """Mark ``variables`` as holding DP-trained weights: a DP step traced
     them, or they were loaded with a ledger holding DP updates. Any model
     then refuses to train them with a non-DP optimizer
-    (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`)."""
+    (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`).
+    Each call is numbered (:func:`marks_so_far`), so a permission given
+    before weights arrived can tell (:func:`marked_after`)."""
+    _MARKS[0] += 1
     for variable in variables:
-        setattr(variable, _DP_TRAINED, True)
-    _ANY_MARKED[0] = True
+        setattr(variable, _DP_TRAINED, _MARKS[0])
 
 
 def is_dp_trained(variable):
     """Whether :func:`mark_dp_trained` marked ``variable``."""
-    return getattr(variable, _DP_TRAINED, False)
+    return getattr(variable, _DP_TRAINED, 0) > 0
+
+
+def marks_so_far():
+    """The number of :func:`mark_dp_trained` calls in this process."""
+    return _MARKS[0]
+
+
+def marked_after(variables, mark):
+    """The first of ``variables`` marked by a :func:`mark_dp_trained` call
+    after ``mark`` (a value of :func:`marks_so_far`), or None."""
+    return next((v for v in variables if getattr(v, _DP_TRAINED, 0) > mark), None)
 
 
 def any_dp_trained():
     """Whether any variable of this process is marked. Every ledger row comes
     from a traced DP step or a load, and both mark, so until then no model
     holds DP updates (plain Keras training skips the guard's walk)."""
-    return _ANY_MARKED[0]
+    return _MARKS[0] > 0
 
 
 class _LedgerView(keras_internals.KerasSaveable):

@@ -36,6 +36,7 @@ from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.ledger import inner_ledgers
 from keras_dp_lm.training.ledger import mark_dp_trained
 from keras_dp_lm.training.ledger import saved_ledger
 from keras_dp_lm.training.losses import per_example_losses
@@ -538,7 +539,6 @@ def dp_train_step(model, data):
     fit_guards.check_optimizer_matches_step(model, compiled_for_dp=True)
     refusals.check_model(model)
     optimizer.freeze_privacy_parameters()
-    mark_dp_trained(model.trainable_variables)  # as traced: fit, train_on_batch, make_private
     if not optimizer.built:
         # Keras builds an unbuilt optimizer inside the traced step; under XLA
         # (jit_compile=True) the wrapped optimizer's slots would then be read
@@ -583,6 +583,9 @@ def dp_train_step(model, data):
         real = ctx.all_reduce(tf.distribute.ReduceOp.SUM, real)
     rate = _batch_rate(rate, ctx)
     ok = ledger.check(sigma, rate, real, unit) & independent
+    nested = inner_ledgers(model)  # nested models the step trains record it too
+    for inner in nested:
+        ok = ok & inner.check(sigma, rate, real, unit)  # its unit: never mixed
     with tf.control_dependencies([refuse_mixing]):  # its message first
         ok = tf.identity(ok)
     check = tf.debugging.Assert(ok, [
@@ -600,6 +603,8 @@ def dp_train_step(model, data):
         optimizer._apply_clipped_sum(grads, model.trainable_variables, local_size,
                                      ledger.updates_so_far(),
                                      public_gradients=_regularization_gradients(model))
+        for inner in nested:  # at the rate the model's own ledger records
+            inner.record(sigma, ledger.recorded_rate(rate), real, ok, unit)
         ledger.record(sigma, rate, real, ok, unit)
     # Mean loss per real unit (a user's weighted losses sum to its mean loss).
     # A non-finite loss counts as 0, as its example's gradient does: a NaN in
@@ -610,11 +615,32 @@ def dp_train_step(model, data):
         tf.reduce_sum(finite_losses) / tf.maximum(local_size, 1.0),
         sample_weight=local_size)
     logs = model.get_metrics_result()
+    _refuse_validation_names(logs)
+    # Marked once the step is traced (fit, train_on_batch, make_private); a
+    # trace that raised applies nothing and marks nothing.
+    mark_dp_trained(model.trainable_variables)
     if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
         # Keras 3.15 averages logs across workers with reduce(MEAN, axis=0),
         # which fails on scalars: hand it rank-1 values, it returns scalars.
         logs = {name: tf.reshape(value, [1]) for name, value in logs.items()}
     return logs
+
+
+def _refuse_validation_names(logs):
+    """Refuse training values logged under a ``val_`` name (a metric or output
+    the user named so): Keras writes validation values under those names only
+    in epochs that validate (``validation_freq``), so in the others a callback
+    or a reader would take a value computed on private examples for a held-out
+    one (r34d D3)."""
+    names = sorted(name for name in logs if str(name).startswith("val_"))
+    if names:
+        raise ValueError(
+            f"keras_dp_lm refused the DP step: it would log {names}, values computed on "
+            "private training examples, under names Keras uses for validation values. "
+            "A callback or a reader of the history would take them for held-out values "
+            "(in epochs without validation, e.g. with validation_freq, nothing "
+            "replaces them). Rename the metric (or the model output) so that its name "
+            "does not start with 'val_'.")
 
 
 def _regularization_gradients(model):
@@ -726,7 +752,7 @@ def _compile_with_dp_binding(self, *args, **kwargs):
     if is_dp_optimizer(getattr(self, "optimizer", None)):
         _check_train_step_not_overridden(self)
         refusals.check_model(self)
-        ledger_of(self)  # created in the strategy scope compile runs in
+        inner_ledgers(self)  # created in the strategy scope compile runs in
         self.train_step = types.MethodType(dp_train_step, self)
         # A new loss (or model) is probed again, by a probe traced anew.
         refusals.probe_state(self).reset()
@@ -830,13 +856,52 @@ def _train_on_batch_checked(self, *args, **kwargs):
     return _original_train_on_batch(self, *args, **kwargs)
 
 
+_original_make_train_function = internals.TensorFlowTrainer.make_train_function
+
+
+@functools.wraps(_original_make_train_function)
+def _make_checked_train_function(self, force=False):
+    """``make_train_function``, whose train function refuses, before each call,
+    training the ledger could not count
+    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`): ``fit``
+    and ``train_on_batch`` call it, and so may a user (r34c C5)."""
+    _original_make_train_function(self, force)
+    function = self.train_function
+    if function is not None and not getattr(function, "_keras_dp_lm_checked", False):
+        train_function = function
+
+        def function(*args, **kwargs):
+            fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
+            return train_function(*args, **kwargs)
+
+        function._keras_dp_lm_checked = True
+        self.train_function = function
+    return function
+
+
+_original_train_step = internals.TensorFlowTrainer.train_step
+
+
+@functools.wraps(_original_train_step)
+def _checked_train_step(self, data):
+    """Keras's ``train_step``, refused first if the ledger could not count it
+    (a custom loop calling ``model.train_step`` on DP-trained weights with a
+    non-DP optimizer, r34c C5); inside ``fit`` it runs when the step is traced
+    (the ledger is read eagerly)."""
+    with tf.init_scope():
+        fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
+    return _original_train_step(self, data)
+
+
 def install():
     """Patch ``keras.Model.compile`` so DP optimizers bind the DP step (idempotent).
 
     Also gives every model a ``dp_ledger`` property, so the privacy ledger is
     saved and loaded with the model's weights (``.keras``, ``.weights.h5``),
     clears an accountant's limits after every ``fit`` (also one that raised),
-    and works around Keras's distributed build failure (uneven replica
+    refuses training the ledger could not count in ``fit``, ``train_on_batch``,
+    every train function (also one made and called by hand) and Keras's own
+    ``train_step`` (:mod:`keras_dp_lm.training.fit_guards`), and works around Keras's distributed build failure (uneven replica
     shares, MultiWorkerMirroredStrategy).
     """
     trainer = internals.Trainer
@@ -850,5 +915,9 @@ def install():
         tf_trainer.fit = _fit_releasing_limits
     if tf_trainer.train_on_batch is not _train_on_batch_checked:
         tf_trainer.train_on_batch = _train_on_batch_checked
+    if tf_trainer.make_train_function is not _make_checked_train_function:
+        tf_trainer.make_train_function = _make_checked_train_function
+    if tf_trainer.train_step is not _checked_train_step:
+        tf_trainer.train_step = _checked_train_step
     if tf_trainer._maybe_symbolic_build is not _symbolic_build_distributed_safe:
         tf_trainer._maybe_symbolic_build = _symbolic_build_distributed_safe
