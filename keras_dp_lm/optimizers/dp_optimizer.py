@@ -121,7 +121,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
             the number of examples of the batch (summed over replicas). Required
             with padded (Poisson) batches: ``q * N``.
         seed: integer seed for the noise. ``None`` (default) draws it from OS
-            entropy, so two runs never share noise.
+            entropy, so two runs never share noise. A given seed is for
+            reproducible tests: the noise of update ``i`` is the same in every
+            run with that seed, so two released models trained with it (or a
+            model whose ledger restarts at zero, e.g. after ``clone_model``)
+            share noise that the accountant counts as independent.
         clipping: ``"auto"`` (fast per-layer rules where available, exact
             elsewhere), ``"fast"`` (refuse uncovered layers) or ``"exact"``.
 
