@@ -26,11 +26,9 @@ import keras
 
 from keras_dp_lm.optimizers import is_dp_optimizer
 from keras_dp_lm.training.ledger import any_dp_trained
-from keras_dp_lm.training.ledger import inner_models
+from keras_dp_lm.training.ledger import dp_history
 from keras_dp_lm.training.ledger import is_dp_trained
 from keras_dp_lm.training.ledger import ledger_of
-from keras_dp_lm.training.ledger import marked_after
-from keras_dp_lm.training.ledger import marks_so_far
 
 _NON_PRIVATE_REFUSED = (
     "keras_dp_lm refused to train: this model's privacy ledger holds {updates} DP "
@@ -59,9 +57,10 @@ def allow_non_private_fit(model):
     does not count them. Training on public data after DP training is
     post-processing and spends no privacy; training on private data this way
     has no guarantee at all. The permission lasts until the next ``compile``,
-    or until DP-trained weights next arrive in the model's variables (a file
-    with DP updates loaded into it, or a DP step traced on a variable it
-    shares), whichever comes first: it was given for the weights it had.
+    or until the model's weights receive DP updates they did not have when it
+    was given (a DP step training a variable it shares, or a file with other
+    DP updates loaded into it), whichever comes first. Reloading the model's
+    own checkpoint (``BackupAndRestore``) keeps it.
 
     Example:
         >>> import keras, numpy as np, keras_dp_lm as kdp
@@ -75,7 +74,7 @@ def allow_non_private_fit(model):
         >>> kdp.ledger_of(model).updates  # the public updates are not DP updates
         1
     """
-    model.__dict__[_ALLOWED] = marks_so_far()
+    model.__dict__[_ALLOWED] = dp_history(model)
 
 
 def forget_permission(model):
@@ -118,12 +117,21 @@ def _flat_callbacks(callbacks):
 
 
 _PERMISSION_OUTDATED = (
-    "keras_dp_lm refused to train: allow_non_private_fit(model) was called before "
-    "the DP-trained weights now in {path} arrived (a file with DP updates loaded into "
-    "the model, or a DP step traced on a variable it shares). The permission covered "
-    "the weights the model had then. If the data of the next fits is still public, "
-    "call keras_dp_lm.training.allow_non_private_fit(model) again; otherwise compile "
-    "with a DP optimizer.")
+    "keras_dp_lm refused to train: allow_non_private_fit(model) was given for the DP "
+    "updates this model's weights had then, and they have received others since (a DP "
+    "step training a variable it shares, or a file with other DP updates loaded into "
+    "it). If the data of the next fits is still public, call "
+    "keras_dp_lm.training.allow_non_private_fit(model) again; otherwise compile with a "
+    "DP optimizer.")
+
+
+def _inner_models(model):
+    stack = list(getattr(model, "layers", ()))
+    while stack:
+        layer = stack.pop()
+        if isinstance(layer, keras.Model):
+            yield layer
+            stack.extend(getattr(layer, "layers", ()))
 
 
 def _refuse_non_private(model, optimizer):
@@ -131,15 +139,14 @@ def _refuse_non_private(model, optimizer):
         return
     allowed = model.__dict__.get(_ALLOWED)
     if allowed is not None:
-        arrived = marked_after(model.trainable_variables, allowed)
-        if arrived is None:
+        if dp_history(model) == allowed:
             return
-        raise RuntimeError(_PERMISSION_OUTDATED.format(path=arrived.path))
+        raise RuntimeError(_PERMISSION_OUTDATED)
     name = type(optimizer).__name__
     if _has_dp_updates(model):
         raise RuntimeError(_NON_PRIVATE_REFUSED.format(
             updates=ledger_of(model).updates, optimizer=name))
-    inner = next((m for m in inner_models(model) if _has_dp_updates(m)), None)
+    inner = next((m for m in _inner_models(model) if _has_dp_updates(m)), None)
     if inner is not None:
         raise RuntimeError(_SHARED_REFUSED.format(
             what=f"it contains the model '{inner.name}', whose ledger holds "

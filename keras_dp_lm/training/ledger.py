@@ -128,7 +128,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         if rows and holder is not None:
             # The weights loaded with these DP updates refuse non-DP training,
             # also inside another model (keras_dp_lm.training.fit_guards).
-            mark_dp_trained(holder.weights)
+            mark_dp_trained(holder.weights, self)
 
     # -- reading ---------------------------------------------------------------
     def rows(self):
@@ -317,69 +317,85 @@ def ledger_of(model, create=True):
     return ledger
 
 
-def inner_models(model):
-    """Every ``keras.Model`` nested in ``model``'s layers, at any depth."""
-    stack = list(getattr(model, "layers", ()))
-    while stack:
-        layer = stack.pop()
-        if isinstance(layer, keras.Model):
-            yield layer
-            stack.extend(getattr(layer, "layers", ()))
+_MODELS = weakref.WeakSet()  # every Keras model built in this process (registered)
 
 
-def inner_ledgers(model):
-    """The ledgers of the models nested in ``model`` whose weights a DP step of
+def register_model(model):
+    """Remember ``model`` (weakly), so that a DP step training its weights
+    through another model can record the update in its ledger
+    (:func:`sharing_ledgers`). Every Keras model registers itself once
+    keras_dp_lm is imported (:func:`keras_dp_lm.training.step.install`)."""
+    _MODELS.add(model)
+
+
+def sharing_ledgers(model):
+    """The ledgers of the other models holding weights that a DP step of
     ``model`` trains (created if missing), other than ``model``'s own: each
-    records the outer step's updates, so a nested model saved or reused alone
-    carries what its weights received (r34d D2)."""
+    records that step's updates, so a model trained as part of another one (a
+    layer of it, held by a wrapper or custom layer, or the base of a new head)
+    and then saved or reused alone carries what its weights received (r34d
+    D2). Models built after the step was traced, or before keras_dp_lm was
+    imported, are not seen: their variables still carry the step's marks."""
     own = ledger_of(model)
     trained = {id(v) for v in model.trainable_variables}
     ledgers = []
-    for inner in inner_models(model):
-        if any(id(v) in trained for v in inner.trainable_variables):
-            ledger = ledger_of(inner)
-            if ledger is not own and all(ledger is not seen for seen in ledgers):
-                ledgers.append(ledger)
+    for other in list(_MODELS):
+        try:
+            weights = other.weights
+        except Exception:  # a model whose construction failed has no weights
+            continue
+        if other is model or not any(id(v) in trained for v in weights):
+            continue
+        ledger = ledger_of(other)
+        if ledger is not own and all(ledger is not seen for seen in ledgers):
+            ledgers.append(ledger)
     return ledgers
 
 
 _DP_TRAINED = "_keras_dp_lm_dp_trained"
-_MARKS = [0]  # how many times variables were marked in this process (0: never)
+_ANY_MARKED = [False]  # set once any variable in this process is marked
 
 
-def mark_dp_trained(variables):
-    """Mark ``variables`` as holding DP-trained weights: a DP step traced
-    them, or they were loaded with a ledger holding DP updates. Any model
-    then refuses to train them with a non-DP optimizer
-    (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`).
-    Each call is numbered (:func:`marks_so_far`), so a permission given
-    before weights arrived can tell (:func:`marked_after`)."""
-    _MARKS[0] += 1
+def mark_dp_trained(variables, ledger):
+    """Mark ``variables`` as holding weights that DP training updated, with
+    the ``ledger`` that counts those updates: a DP step traced them, or they
+    were loaded with a ledger holding DP updates. Any model then refuses to
+    train them with a non-DP optimizer
+    (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`)."""
     for variable in variables:
-        setattr(variable, _DP_TRAINED, _MARKS[0])
+        ledgers = getattr(variable, _DP_TRAINED, None)
+        if ledgers is None:
+            ledgers = weakref.WeakSet()
+            setattr(variable, _DP_TRAINED, ledgers)
+        ledgers.add(ledger)
+    _ANY_MARKED[0] = True
 
 
 def is_dp_trained(variable):
     """Whether :func:`mark_dp_trained` marked ``variable``."""
-    return getattr(variable, _DP_TRAINED, 0) > 0
+    return getattr(variable, _DP_TRAINED, None) is not None
 
 
-def marks_so_far():
-    """The number of :func:`mark_dp_trained` calls in this process."""
-    return _MARKS[0]
-
-
-def marked_after(variables, mark):
-    """The first of ``variables`` marked by a :func:`mark_dp_trained` call
-    after ``mark`` (a value of :func:`marks_so_far`), or None."""
-    return next((v for v in variables if getattr(v, _DP_TRAINED, 0) > mark), None)
+def dp_history(model):
+    """What DP training ``model``'s weights have received, as a comparable
+    value: the rows of its ledger and of every ledger that marked one of its
+    variables. Equal values mean no DP update and no DP file arrived between
+    the two readings (a model's own checkpoint reloaded leaves it equal)."""
+    ledgers = {}
+    own = ledger_of(model, create=False)
+    if own is not None:
+        ledgers[id(own)] = own
+    for variable in model.weights:
+        for ledger in getattr(variable, _DP_TRAINED, ()):
+            ledgers[id(ledger)] = ledger
+    return frozenset((key, tuple(ledger.rows())) for key, ledger in ledgers.items())
 
 
 def any_dp_trained():
     """Whether any variable of this process is marked. Every ledger row comes
     from a traced DP step or a load, and both mark, so until then no model
     holds DP updates (plain Keras training skips the guard's walk)."""
-    return _MARKS[0] > 0
+    return _ANY_MARKED[0]
 
 
 class _LedgerView(keras_internals.KerasSaveable):

@@ -36,8 +36,9 @@ from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training.ledger import ledger_of
-from keras_dp_lm.training.ledger import inner_ledgers
 from keras_dp_lm.training.ledger import mark_dp_trained
+from keras_dp_lm.training.ledger import register_model
+from keras_dp_lm.training.ledger import sharing_ledgers
 from keras_dp_lm.training.ledger import saved_ledger
 from keras_dp_lm.training.losses import per_example_losses
 from keras_dp_lm.training.losses import regularization_loss
@@ -583,7 +584,7 @@ def dp_train_step(model, data):
         real = ctx.all_reduce(tf.distribute.ReduceOp.SUM, real)
     rate = _batch_rate(rate, ctx)
     ok = ledger.check(sigma, rate, real, unit) & independent
-    nested = inner_ledgers(model)  # nested models the step trains record it too
+    nested = sharing_ledgers(model)  # other models whose weights it trains record it too
     for inner in nested:
         ok = ok & inner.check(sigma, rate, real, unit)  # its unit: never mixed
     with tf.control_dependencies([refuse_mixing]):  # its message first
@@ -618,7 +619,7 @@ def dp_train_step(model, data):
     _refuse_validation_names(logs)
     # Marked once the step is traced (fit, train_on_batch, make_private); a
     # trace that raised applies nothing and marks nothing.
-    mark_dp_trained(model.trainable_variables)
+    mark_dp_trained(model.trainable_variables, ledger)
     if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
         # Keras 3.15 averages logs across workers with reduce(MEAN, axis=0),
         # which fails on scalars: hand it rank-1 values, it returns scalars.
@@ -632,7 +633,14 @@ def _refuse_validation_names(logs):
     in epochs that validate (``validation_freq``), so in the others a callback
     or a reader would take a value computed on private examples for a held-out
     one (r34d D3)."""
-    names = sorted(name for name in logs if str(name).startswith("val_"))
+    names, stack = [], [logs]
+    while stack:  # Keras flattens a metric's dict result into the logs
+        for name, value in stack.pop().items():
+            if isinstance(value, dict):
+                stack.append(value)
+            elif str(name).startswith("val_"):
+                names.append(name)
+    names.sort()
     if names:
         raise ValueError(
             f"keras_dp_lm refused the DP step: it would log {names}, values computed on "
@@ -752,7 +760,7 @@ def _compile_with_dp_binding(self, *args, **kwargs):
     if is_dp_optimizer(getattr(self, "optimizer", None)):
         _check_train_step_not_overridden(self)
         refusals.check_model(self)
-        inner_ledgers(self)  # created in the strategy scope compile runs in
+        sharing_ledgers(self)  # created in the strategy scope compile runs in
         self.train_step = types.MethodType(dp_train_step, self)
         # A new loss (or model) is probed again, by a probe traced anew.
         refusals.probe_state(self).reset()
@@ -859,6 +867,25 @@ def _train_on_batch_checked(self, *args, **kwargs):
 _original_make_train_function = internals.TensorFlowTrainer.make_train_function
 
 
+class _CheckedTrainFunction:
+    """A model's train function that refuses, before each call, training the
+    ledger could not count; its other attributes are the wrapped function's
+    (TensorBoard reads a ``tf.function``'s graph)."""
+
+    _keras_dp_lm_checked = True
+
+    def __init__(self, model, function):
+        self._model = model
+        self._function = function
+
+    def __call__(self, *args, **kwargs):
+        fit_guards.check_training_is_private(self._model, _bound_to_dp_step(self._model))
+        return self._function(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._function, name)
+
+
 @functools.wraps(_original_make_train_function)
 def _make_checked_train_function(self, force=False):
     """``make_train_function``, whose train function refuses, before each call,
@@ -868,15 +895,20 @@ def _make_checked_train_function(self, force=False):
     _original_make_train_function(self, force)
     function = self.train_function
     if function is not None and not getattr(function, "_keras_dp_lm_checked", False):
-        train_function = function
-
-        def function(*args, **kwargs):
-            fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
-            return train_function(*args, **kwargs)
-
-        function._keras_dp_lm_checked = True
-        self.train_function = function
+        function = self.train_function = _CheckedTrainFunction(self, function)
     return function
+
+
+_original_trainer_init = internals.TensorFlowTrainer.__init__
+
+
+@functools.wraps(_original_trainer_init)
+def _trainer_init_registering(self, *args, **kwargs):
+    """Keras's trainer ``__init__``; the model is then registered (weakly) so
+    that DP steps training its weights through another model record them in
+    its ledger (:func:`~keras_dp_lm.training.ledger.sharing_ledgers`)."""
+    _original_trainer_init(self, *args, **kwargs)
+    register_model(self)
 
 
 _original_train_step = internals.TensorFlowTrainer.train_step
@@ -901,7 +933,9 @@ def install():
     clears an accountant's limits after every ``fit`` (also one that raised),
     refuses training the ledger could not count in ``fit``, ``train_on_batch``,
     every train function (also one made and called by hand) and Keras's own
-    ``train_step`` (:mod:`keras_dp_lm.training.fit_guards`), and works around Keras's distributed build failure (uneven replica
+    ``train_step`` (:mod:`keras_dp_lm.training.fit_guards`), registers every
+    model (weakly) so that a DP step records its updates in the ledger of every
+    model whose weights it trains, and works around Keras's distributed build failure (uneven replica
     shares, MultiWorkerMirroredStrategy).
     """
     trainer = internals.Trainer
@@ -915,6 +949,8 @@ def install():
         tf_trainer.fit = _fit_releasing_limits
     if tf_trainer.train_on_batch is not _train_on_batch_checked:
         tf_trainer.train_on_batch = _train_on_batch_checked
+    if tf_trainer.__init__ is not _trainer_init_registering:
+        tf_trainer.__init__ = _trainer_init_registering
     if tf_trainer.make_train_function is not _make_checked_train_function:
         tf_trainer.make_train_function = _make_checked_train_function
     if tf_trainer.train_step is not _checked_train_step:
