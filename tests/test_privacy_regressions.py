@@ -1111,6 +1111,20 @@ def test_a_recompile_under_xla_clips_at_the_new_clip_norm():
         assert np.linalg.norm(with_all) <= 8 * clip * (1 + 1e-5)
 
 
+def _refused_until_permitted(model, x, y, match):
+    """``fit`` and ``train_on_batch`` refuse (``match``) and leave the weights as
+    they were; after ``allow_non_private_fit`` (the data is public), ``fit`` trains."""
+    weights = _weights(model)
+    with pytest.raises(RuntimeError, match=match):
+        model.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(RuntimeError, match=match):
+        model.train_on_batch(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    kdp.training.allow_non_private_fit(model)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert not all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+
+
 def test_a_non_private_compile_after_dp_updates_refuses_to_train(tmp_path):
     """r34 F1: after DP updates, compile(optimizer="sgd") (or KerasHub's
     compile(sampler=...), which builds a new Adam) trained with no clipping or
@@ -1123,15 +1137,7 @@ def test_a_non_private_compile_after_dp_updates_refuses_to_train(tmp_path):
     model.fit(x, y, batch_size=8, verbose=0)
     model.save_weights(tmp_path / "dp.weights.h5")
     model.compile(optimizer="sgd", loss=SCCE)
-    weights = _weights(model)
-    with pytest.raises(RuntimeError, match="allow_non_private_fit"):
-        model.fit(x, y, batch_size=8, verbose=0)
-    with pytest.raises(RuntimeError, match="holds 1 DP updates"):
-        model.train_on_batch(x, y)
-    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
-    kdp.training.allow_non_private_fit(model)  # the data is public from here
-    model.fit(x, y, batch_size=8, verbose=0)
-    assert not all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    _refused_until_permitted(model, x, y, "holds 1 DP updates.*allow_non_private_fit")
     assert kdp.ledger_of(model).updates == 1
     model.compile(optimizer="sgd", loss=SCCE)  # the permission lasts one compile
     with pytest.raises(RuntimeError, match="refused to train"):
@@ -1299,15 +1305,7 @@ def test_the_permission_ends_when_dp_weights_arrive(tmp_path):
     model.fit(x, y, batch_size=8, epochs=2, verbose=0,
               callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
     model.load_weights(tmp_path / "other.weights.h5")
-    weights = _weights(model)
-    with pytest.raises(RuntimeError, match="have received others since"):
-        model.fit(x, y, batch_size=8, verbose=0)
-    with pytest.raises(RuntimeError, match="have received others since"):
-        model.train_on_batch(x, y)
-    assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
-    kdp.training.allow_non_private_fit(model)  # said again, for these weights
-    model.fit(x, y, batch_size=8, verbose=0)
-    assert not all(np.array_equal(a, b) for a, b in zip(weights, _weights(model)))
+    _refused_until_permitted(model, x, y, "have received others since")
     # DP updates through a model sharing the variables, its step already traced
     dp_model = _dense(seed=2, noise_multiplier=1.0)
     dp_model.fit(x, y, batch_size=8, verbose=0)
