@@ -34,8 +34,9 @@ first trains the output layer alone, on the pooled outputs of the pretrained top
 layers, at epsilon ``E`` (its own recipe: ``--dp-probe-epochs``,
 ``--dp-probe-learning-rate``); the fine-tuning's recipe then gets the probe's
 applied ledger as ``extra_events`` and calibrates its noise so that the two
-compose to ``--epsilon``. The reported epsilon composes both ledgers in one
-accountant. ``--trainable-layers 0`` trains the output layer (and the pooler
+compose to ``--epsilon``. The probe trains the head's own output layer, so the
+head's ledger holds the probe's updates too, and the reported epsilon is that
+ledger's, composed in one accountant. ``--trainable-layers 0`` trains the output layer (and the pooler
 with ``[CLS]``) on the frozen model's outputs in both runs: a linear probe.
 
 Why the learning rate needs the noise factor here: at this dataset size
@@ -412,16 +413,21 @@ def main(argv=None):
         print(recipe.explain(), flush=True)
         batches = recipe.poisson_batches((x_train, y_train))
         head.compile(optimizer=recipe.optimizer(), loss=loss(), weighted_metrics=[])
-        accountant = recipe.accountant(batches=batches)
+        # The head's ledger already holds the probe's updates (the probe trains its
+        # output layer), so the accountant reads them there, not as extra events,
+        # and stops at the total epsilon the recipe composed them to.
+        accountant = recipe.accountant(batches=batches, extra_events=[],
+                                       target_epsilon=args.epsilon * (1 + 1e-9))
         start = time.time()
         head.fit(batches, epochs=1, callbacks=[accountant], verbose=args.verbose)
         seconds = time.time() - start
         acc = accuracies(head, held_out)
         report = accountant.report()
-        # Everything the run applied (the probe's updates too), in one accountant at
-        # the training share of delta; the total adds each run's overflow share.
-        epsilon = compose_epsilon(probe_events + accountant.dp_events(),
-                                  recipe.training_delta)
+        # Everything the run applied (the head's ledger holds the probe's updates
+        # too), in one accountant at the training share of delta; the total adds
+        # each run's overflow share.
+        epsilon = compose_epsilon(accountant.dp_events(), recipe.training_delta)
+        fine_tuning_updates = report["dp_updates"] - (probe["dp_updates"] if probe else 0)
         delta = recipe.delta + probe_overflow_delta
         lora = f"LoRA rank {args.dp_lora_rank}, " if args.dp_lora_rank else ""
         lp = (f"after a DP linear probe at epsilon {args.dp_probe_epsilon:g}, "
@@ -429,11 +435,11 @@ def main(argv=None):
         rows.append({"run": f"DP ({lp}{lora}recipe: Adam {recipe.learning_rate:.3g}, clip "
                             f"{recipe.l2_norm_clip:g}, sigma {recipe.noise_multiplier:.3f})",
                      "accuracy": acc, "epsilon": f"{epsilon:.2f}",
-                     "steps": report["dp_updates"] + (probe["dp_updates"] if probe else 0),
+                     "steps": report["dp_updates"],
                      "batch": f"{recipe.batch_size} (Poisson)",
                      "time": f"{seconds / 60:.1f} min"})
         result.update(dp_accuracy=acc, dp_seconds=seconds, epsilon=epsilon,
-                      delta=delta, dp_updates=report["dp_updates"],
+                      delta=delta, dp_updates=fine_tuning_updates,
                       recipe=recipe.to_dict(),
                       dp_ledger=report["ledger"], probe_ledger=probe["ledger"] if probe else [])
         print(f"DP: accuracy {acc}, epsilon {epsilon:.3f} "

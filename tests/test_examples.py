@@ -20,8 +20,9 @@ def _load(name):
 def test_bert_classifier_dp_example():
     """Quick mode: both runs really train (64 Rotten Tomatoes snippets, 2 steps each),
     the DP run after a DP linear probe (--dp-probe-epsilon): the probe's and the
-    fine-tuning's updates, as applied (their ledgers), composed by dp_accounting
-    directly, give the reported epsilon, within --epsilon."""
+    fine-tuning's updates, as applied (the head's ledger holds both: the probe
+    trains its output layer), composed by dp_accounting directly, give the
+    reported epsilon, within --epsilon."""
     import dp_accounting
 
     result = _load("bert_classifier_dp").main(["--quick", "--verbose", "0",
@@ -36,11 +37,15 @@ def test_bert_classifier_dp_example():
     assert result["table"].count("\n") == 4  # header, rule and three runs
     assert "| DP (after a DP linear probe at epsilon 0.5, recipe" in result["table"]
     probe, recipe = result["probe_ledger"], result["recipe"]
-    assert sum(row["updates"] for row in probe) > 0
-    assert sum(row["updates"] for row in result["dp_ledger"]) == 2
+    probe_updates = sum(row["updates"] for row in probe)
+    assert probe_updates > 0
+    # the probe trains the head's output layer: the head's ledger holds its
+    # updates first, then the fine-tuning's 2
+    assert result["dp_ledger"][:len(probe)] == probe
+    assert sum(row["updates"] for row in result["dp_ledger"]) == probe_updates + 2
     accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
     for sigma, rate, updates in [(r["noise_multiplier"], r["sampling_rate"], r["updates"])
-                                 for r in probe + result["dp_ledger"]]:
+                                 for r in result["dp_ledger"]]:
         accountant.compose(dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(sigma)),
             updates))

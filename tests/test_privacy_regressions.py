@@ -1316,6 +1316,14 @@ def test_the_permission_ends_when_dp_weights_arrive(tmp_path):
     dp_model.fit(x, y, batch_size=8, verbose=0)  # no new trace: same train function
     with pytest.raises(RuntimeError, match="have received others since"):
         public.fit(x, y, batch_size=8, verbose=0)
+    # r36 F3: a model with no ledger yet, on DP weights: creating its ledger
+    # (saving, a checkpoint, reading it) is not new DP weights arriving
+    head = keras.Model(dp_model.inputs, keras.layers.Dense(2)(dp_model.outputs[0]))
+    head.compile(optimizer="sgd", loss=SCCE)
+    kdp.training.allow_non_private_fit(head)
+    assert head.dp_ledger.updates == 2  # the updates its base received
+    head.fit(x, y % 2, batch_size=8, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "head.keras"))])
 
 
 def test_training_values_logged_under_validation_names_are_refused():
@@ -1398,3 +1406,37 @@ def test_a_model_trained_inside_a_dp_model_records_its_updates(tmp_path):
     new_head.compile(optimizer="adam", loss=SCCE)
     with pytest.raises(RuntimeError, match="hold weights from DP training"):
         new_head.fit(x, y % 2, batch_size=8, verbose=0)
+
+
+def test_a_model_built_on_dp_trained_weights_counts_their_updates(tmp_path):
+    """r36 F1 / F2: a model built after a DP step trained its weights (a new
+    head on a DP-pretrained base, a layer reused in a new model) started its
+    ledger at zero: DP fine-tuning of the head reported eps 4.85 where 15.94 was
+    spent, and the reused layer saved alone carried no updates and no marks.
+    Its ledger now starts from the updates its weights received."""
+    x, y = _data(8)
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)], name="base")
+    pretrain = keras.Sequential([base, keras.layers.Dense(3)])
+    pretrain.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                     loss=SCCE)
+    pretrain.fit(x, y, batch_size=4, epochs=2, verbose=0)  # 4 updates
+    head = keras.Model(base.inputs, keras.layers.Dense(2)(base.outputs[0]))
+    head.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=2.0),
+                 loss=SCCE)
+    head.fit(x, y % 2, batch_size=4, verbose=0)  # 2 more on the base's weights
+    assert kdp.ledger_of(head).rows() == [(1.0, 0.0, 4.0, 4), (2.0, 0.0, 4.0, 2)]
+    assert kdp.ledger_of(base).updates == 6
+    # the pretraining's step, traced before the head existed, trains the base
+    # again: it is traced anew so that the head's ledger records it too
+    pretrain.fit(x, y, batch_size=4, verbose=0)
+    assert kdp.ledger_of(head).rows() == [
+        (1.0, 0.0, 4.0, 4), (2.0, 0.0, 4.0, 2), (1.0, 0.0, 4.0, 2)]
+    assert kdp.ledger_of(base).updates == kdp.ledger_of(pretrain).updates == 8
+    reused = keras.Sequential([keras.Input((4,)), base.layers[0]])  # built after all
+    reused.save(tmp_path / "reused.keras")
+    loaded = keras.models.load_model(tmp_path / "reused.keras")
+    assert kdp.ledger_of(loaded).rows() == kdp.ledger_of(head).rows()  # counted once
+    loaded.compile(optimizer="sgd", loss=SCCE)
+    with pytest.raises(RuntimeError, match="holds 8 DP updates"):
+        loaded.fit(x, y % 4, batch_size=8, verbose=0)

@@ -277,9 +277,14 @@ class PrivacyAccountant(keras.callbacks.Callback):
             return None
         sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
         rows = self._rows()
-        if self._dominated(rows):
-            return max_steps(self.target_epsilon, self.delta, sigma, rate, self.accountant)
         done = sum(row[3] for row in rows)
+        if self._dominated(rows):
+            # every update so far counted at this fit's cost: conservative, and
+            # exact for a resumed fit; when that leaves no room (cheaper updates
+            # of another kind: a DP linear probe's), compose them exactly
+            quick = max_steps(self.target_epsilon, self.delta, sigma, rate, self.accountant)
+            if quick > done:
+                return quick
         prior = ledger_events(rows, self.dataset_size)
         exact = {}
 

@@ -192,14 +192,16 @@ class DPRecipe:
 
     def accountant(self, batches=None, **kwargs):
         """A :class:`~keras_dp_lm.callbacks.PrivacyAccountant` that stops at the recipe's
-        training epsilon and composes the extra events into its report."""
+        training epsilon and composes the extra events into its report. Pass
+        ``extra_events=[]`` when the model's ledger already holds them (earlier
+        DP training of the same weights: a DP linear probe of its own head)."""
         from keras_dp_lm.callbacks import PrivacyAccountant
 
         kwargs.setdefault("target_epsilon", self.training_epsilon * (1 + 1e-9))
+        kwargs.setdefault("extra_events", list(self.extra_events))
         if batches is None:
             kwargs.setdefault("dataset_size", self.dataset_size)
-        return PrivacyAccountant(delta=self.training_delta, batches=batches,
-                                 extra_events=list(self.extra_events), **kwargs)
+        return PrivacyAccountant(delta=self.training_delta, batches=batches, **kwargs)
 
 
 def _positive(name, value, integer=False):

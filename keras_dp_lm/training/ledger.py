@@ -93,6 +93,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 aggregation="only_first_replica")
         # The accountant whose limits are registered (a weak reference).
         self._limits_owner = None
+        # Ledgers whose rows this one took over when it was created (inherit).
+        self._includes = weakref.WeakSet()
 
     # -- Keras saving (the ledger is saved with the model's weights) ---------
     def _obj_type(self):
@@ -129,6 +131,40 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             # The weights loaded with these DP updates refuse non-DP training,
             # also inside another model (keras_dp_lm.training.fit_guards).
             mark_dp_trained(holder.weights, self)
+
+    def inherit(self, sources):
+        """Start from the DP updates of ``sources``: the ledgers of the DP steps
+        (or loaded files) that trained weights this ledger's model holds. A
+        model built on DP-trained weights (a new head on a DP-trained base, a
+        layer reused from a DP model) has received those updates too, so its
+        ledger counts them; a source another source already took over is
+        counted once. Rows beyond the table merge conservatively (smallest
+        sigma, largest q and batch), which can only over-report."""
+        sources = list(sources)
+        kept = [a for a in sources
+                if not any(a is not b and a in b._includes for b in sources)]
+        rows = [row for source in kept for row in source.rows()]
+        units = {source.privacy_unit for source in kept} - {None}
+        if len(units) > 1:
+            raise ValueError(
+                "keras_dp_lm cannot count this model's DP updates: its weights were "
+                f"trained at different privacy units ({sorted(units)}) by different "
+                "models, and one ledger counts one unit. Train it from weights "
+                "trained at one unit.")
+        if not rows:
+            return
+        if len(rows) > MAX_ROWS:
+            tail = np.asarray(rows[MAX_ROWS - 1:])
+            rows = rows[:MAX_ROWS - 1] + [(tail[:, 0].min(), tail[:, 1].max(),
+                                           tail[:, 2].max(), tail[:, 3].sum())]
+        table = np.zeros((MAX_ROWS, _COLUMNS))
+        table[:len(rows)] = rows
+        self.table.assign(table)
+        self.num_rows.assign(len(rows))
+        self.unit.assign(PRIVACY_UNITS[units.pop()])
+        for source in kept:
+            self._includes.add(source)
+            self._includes.update(source._includes)
 
     # -- reading ---------------------------------------------------------------
     def rows(self):
@@ -314,10 +350,22 @@ def ledger_of(model, create=True):
         ledger = PrivacyLedger()
         ledger.__dict__["_holder"] = weakref.ref(holder)
         holder.__dict__["_keras_dp_lm_ledger"] = ledger
+        with tf.init_scope():  # eager, also when first asked inside a traced step
+            ledger.inherit(_marking_ledgers(holder))
     return ledger
 
 
+def _marking_ledgers(model):
+    """The ledgers that marked any of ``model``'s variables (:func:`mark_dp_trained`)."""
+    found = {}
+    for variable in model.weights:
+        for ledger in getattr(variable, _DP_TRAINED, ()):
+            found[id(ledger)] = ledger
+    return list(found.values())
+
+
 _MODELS = weakref.WeakSet()  # every Keras model built in this process (registered)
+_REGISTERED = [0]  # how many models have registered so far
 
 
 def register_model(model):
@@ -326,6 +374,13 @@ def register_model(model):
     (:func:`sharing_ledgers`). Every Keras model registers itself once
     keras_dp_lm is imported (:func:`keras_dp_lm.training.step.install`)."""
     _MODELS.add(model)
+    _REGISTERED[0] += 1
+
+
+def models_registered():
+    """How many models have registered so far (:func:`register_model`): a
+    traced DP step whose value is older may miss a model sharing its weights."""
+    return _REGISTERED[0]
 
 
 def sharing_ledgers(model):
@@ -381,14 +436,9 @@ def dp_history(model):
     value: the rows of its ledger and of every ledger that marked one of its
     variables. Equal values mean no DP update and no DP file arrived between
     the two readings (a model's own checkpoint reloaded leaves it equal)."""
-    ledgers = {}
-    own = ledger_of(model, create=False)
-    if own is not None:
-        ledgers[id(own)] = own
-    for variable in model.weights:
-        for ledger in getattr(variable, _DP_TRAINED, ()):
-            ledgers[id(ledger)] = ledger
-    return frozenset((key, tuple(ledger.rows())) for key, ledger in ledgers.items())
+    ledgers = _marking_ledgers(model) + [ledger_of(model)]
+    return frozenset((id(ledger), tuple(ledger.rows())) for ledger in ledgers
+                     if ledger.num_rows.numpy() > 0)
 
 
 def any_dp_trained():

@@ -37,6 +37,7 @@ from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training.ledger import ledger_of
 from keras_dp_lm.training.ledger import mark_dp_trained
+from keras_dp_lm.training.ledger import models_registered
 from keras_dp_lm.training.ledger import register_model
 from keras_dp_lm.training.ledger import sharing_ledgers
 from keras_dp_lm.training.ledger import saved_ledger
@@ -585,6 +586,7 @@ def dp_train_step(model, data):
     rate = _batch_rate(rate, ctx)
     ok = ledger.check(sigma, rate, real, unit) & independent
     nested = sharing_ledgers(model)  # other models whose weights it trains record it too
+    model.__dict__[_TRACED_SHARING] = (models_registered(), weakref.WeakSet(nested))
     for inner in nested:
         ok = ok & inner.check(sigma, rate, real, unit)  # its unit: never mixed
     with tf.control_dependencies([refuse_mixing]):  # its message first
@@ -867,6 +869,25 @@ def _train_on_batch_checked(self, *args, **kwargs):
 _original_make_train_function = internals.TensorFlowTrainer.make_train_function
 
 
+_TRACED_SHARING = "_keras_dp_lm_traced_sharing"
+
+
+def _sharing_grew(model):
+    """Whether a model built since the DP step was traced holds weights the
+    step trains: the traced step would not record its updates in that model's
+    ledger (r36 F1), so the step must be traced again."""
+    traced = model.__dict__.get(_TRACED_SHARING)
+    if traced is None or traced[0] == models_registered():
+        return False
+    strategy = internals.distribute_strategy_of(model)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        ledgers = sharing_ledgers(model)  # a new model's ledger is created here
+    grew = any(ledger not in traced[1] for ledger in ledgers)
+    # recorded before the new trace, which records its own
+    model.__dict__[_TRACED_SHARING] = (models_registered(), traced[1])
+    return grew
+
+
 class _CheckedTrainFunction:
     """A model's train function that refuses, before each call, training the
     ledger could not count; its other attributes are the wrapped function's
@@ -879,7 +900,11 @@ class _CheckedTrainFunction:
         self._function = function
 
     def __call__(self, *args, **kwargs):
-        fit_guards.check_training_is_private(self._model, _bound_to_dp_step(self._model))
+        model = self._model
+        fit_guards.check_training_is_private(model, _bound_to_dp_step(model))
+        if _bound_to_dp_step(model) and _sharing_grew(model):
+            model.make_train_function(force=True)
+            return model.train_function(*args, **kwargs)
         return self._function(*args, **kwargs)
 
     def __getattr__(self, name):
