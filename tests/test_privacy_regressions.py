@@ -1436,7 +1436,53 @@ def test_a_model_built_on_dp_trained_weights_counts_their_updates(tmp_path):
     reused = keras.Sequential([keras.Input((4,)), base.layers[0]])  # built after all
     reused.save(tmp_path / "reused.keras")
     loaded = keras.models.load_model(tmp_path / "reused.keras")
-    assert kdp.ledger_of(loaded).rows() == kdp.ledger_of(head).rows()  # counted once
+    # at least what the head's weights received; updates that two of its sources
+    # both recorded (a model sharing the base records the other's steps) may
+    # count twice: an over-report, never an under-report
+    assert kdp.ledger_of(loaded).updates >= kdp.ledger_of(head).updates == 8
     loaded.compile(optimizer="sgd", loss=SCCE)
-    with pytest.raises(RuntimeError, match="holds 8 DP updates"):
+    with pytest.raises(RuntimeError, match="DP updates"):
         loaded.fit(x, y % 4, batch_size=8, verbose=0)
+
+
+def test_inherited_updates_are_not_lost_nor_repriced():
+    """r37 U2: a ledger took over another's rows and marked it as included; that
+    other ledger then gained updates the first never saw (its model trained a
+    part the first does not hold), and a model built on both counted only the
+    first (6 of 8). U3: make_private steps traced before a model sharing their
+    weights was built were not traced again (that model's ledger: 2 of 5). U4:
+    rows beyond the table merged a fixed-size row into a Poisson row, repricing
+    it at the Poisson rate (eps 7.39 -> 1.01)."""
+    from keras_dp_lm.training.ledger import MAX_ROWS, _fit_table
+
+    x, y = _data(8)
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)], name="base")
+    head_a, head_b = keras.layers.Dense(3), keras.layers.Dense(3)
+    a = keras.Model(base.inputs, head_a(base.outputs[0]))
+    dp = dict(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=SCCE)
+    a.compile(**dp)
+    a.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    b = keras.Model(base.inputs, head_b(base.outputs[0]))  # takes over a's 4
+    b.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=SCCE)
+    b.fit(x, y, batch_size=4, verbose=0)
+    base.trainable = False
+    a.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss=SCCE)
+    a.fit(x, y, batch_size=4, verbose=0)  # head_a only: b never sees these
+    c = keras.Model(base.inputs, head_a(base.outputs[0]))  # holds a's weights
+    assert kdp.ledger_of(c).updates >= kdp.ledger_of(a).updates == 8
+
+    keras.utils.set_random_seed(1)
+    model = _dense(noise_multiplier=1.0)
+    step = kdp.make_private(model)
+    for _ in range(2):
+        step((x, y))
+    features = keras.Model(model.inputs, model.outputs)  # built between steps
+    for _ in range(3):
+        step((x, y))
+    assert kdp.ledger_of(features).updates == kdp.ledger_of(model).updates == 5
+
+    poisson = [(1.0, 0.1, 8.0, 1)] * 31
+    rows = _fit_table(poisson + [(1.0, 0.0, 32.0, 10), (1.0, 0.0625, 4.0, 1)])
+    assert len(rows) <= MAX_ROWS and sum(r[3] for r in rows) == 42
+    assert (1.0, 0.0, 32.0, 10) in [tuple(r) for r in rows]  # never repriced

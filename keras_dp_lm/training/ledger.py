@@ -93,8 +93,9 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 aggregation="only_first_replica")
         # The accountant whose limits are registered (a weak reference).
         self._limits_owner = None
-        # Ledgers whose rows this one took over when it was created (inherit).
-        self._includes = weakref.WeakSet()
+        # Ledgers whose rows this one took over when it was created (inherit),
+        # with how many updates each had then.
+        self._includes = weakref.WeakKeyDictionary()
 
     # -- Keras saving (the ledger is saved with the model's weights) ---------
     def _obj_type(self):
@@ -137,34 +138,37 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         (or loaded files) that trained weights this ledger's model holds. A
         model built on DP-trained weights (a new head on a DP-trained base, a
         layer reused from a DP model) has received those updates too, so its
-        ledger counts them; a source another source already took over is
-        counted once. Rows beyond the table merge conservatively (smallest
-        sigma, largest q and batch), which can only over-report."""
+        ledger counts them. What a source took over from another when it was
+        created is not counted again, but what that other gained since is.
+        Rows beyond the table merge conservatively within their kind
+        (fixed-size, Poisson): smallest sigma, largest q and batch."""
         sources = list(sources)
-        kept = [a for a in sources
-                if not any(a is not b and a in b._includes for b in sources)]
-        rows = [row for source in kept for row in source.rows()]
-        units = {source.privacy_unit for source in kept} - {None}
+        taken = {}  # ledger -> updates some source took over from it
+        for source in sources:
+            for ledger, updates in source._includes.items():
+                taken[ledger] = max(taken.get(ledger, 0), updates)
+        rows = []
+        for source in sources:
+            rows += _rows_after(source.rows(), taken.get(source, 0))
+        units = {source.privacy_unit for source in sources
+                 if _rows_after(source.rows(), taken.get(source, 0))} - {None}
         if len(units) > 1:
             raise ValueError(
                 "keras_dp_lm cannot count this model's DP updates: its weights were "
                 f"trained at different privacy units ({sorted(units)}) by different "
                 "models, and one ledger counts one unit. Train it from weights "
                 "trained at one unit.")
+        for source in sources:
+            for ledger, updates in [(source, source.updates), *source._includes.items()]:
+                self._includes[ledger] = max(self._includes.get(ledger, 0), updates)
         if not rows:
             return
-        if len(rows) > MAX_ROWS:
-            tail = np.asarray(rows[MAX_ROWS - 1:])
-            rows = rows[:MAX_ROWS - 1] + [(tail[:, 0].min(), tail[:, 1].max(),
-                                           tail[:, 2].max(), tail[:, 3].sum())]
+        rows = _fit_table(rows)
         table = np.zeros((MAX_ROWS, _COLUMNS))
         table[:len(rows)] = rows
         self.table.assign(table)
         self.num_rows.assign(len(rows))
         self.unit.assign(PRIVACY_UNITS[units.pop()])
-        for source in kept:
-            self._includes.add(source)
-            self._includes.update(source._includes)
 
     # -- reading ---------------------------------------------------------------
     def rows(self):
@@ -316,6 +320,37 @@ def _is_keras_hub_task(model):
                for cls in type(model).__mro__)
 
 
+def _rows_after(rows, skip):
+    """``rows`` without their first ``skip`` updates (rows are in order)."""
+    out = []
+    for sigma, q, batch, updates in rows:
+        kept = updates - min(skip, updates)
+        skip -= updates - kept
+        if kept:
+            out.append((sigma, q, batch, kept))
+    return out
+
+
+def _fit_table(rows):
+    """``rows`` in at most ``MAX_ROWS`` rows: the last ones of each kind
+    (fixed-size, q == 0; Poisson, q > 0) merged into one, conservatively. A
+    fixed-size row is priced at its batch over the reader's dataset size, so it
+    never merges with a Poisson row (its q would reprice it)."""
+    if len(rows) <= MAX_ROWS:
+        return rows
+    kinds = [[r for r in rows if r[1] == 0], [r for r in rows if r[1] > 0]]
+    room = MAX_ROWS - sum(1 for kind in kinds if kind)
+    kept = rows[:room]
+    merged = []
+    for kind in kinds:
+        tail = np.asarray([r for r in rows[room:] if (r[1] > 0) == (kind[0][1] > 0)]
+                          if kind else np.zeros((0, _COLUMNS)))
+        if len(tail):
+            merged.append((tail[:, 0].min(), tail[:, 1].max(), tail[:, 2].max(),
+                           tail[:, 3].sum()))
+    return kept + merged
+
+
 def _ledger_holder(model):
     """The model whose weights the ledger describes: a KerasHub task's backbone
     (saved alone by ``save_to_preset``, shared by the tasks built on it), else
@@ -348,10 +383,10 @@ def ledger_of(model, create=True):
     ledger = holder.__dict__.get("_keras_dp_lm_ledger")
     if ledger is None and create:
         ledger = PrivacyLedger()
+        with tf.init_scope():  # eager, also when first asked inside a traced step
+            ledger.inherit(_marking_ledgers(holder))  # kept only if it could
         ledger.__dict__["_holder"] = weakref.ref(holder)
         holder.__dict__["_keras_dp_lm_ledger"] = ledger
-        with tf.init_scope():  # eager, also when first asked inside a traced step
-            ledger.inherit(_marking_ledgers(holder))
     return ledger
 
 

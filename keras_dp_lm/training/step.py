@@ -703,13 +703,14 @@ def make_private(model):
     model.train_step = types.MethodType(dp_train_step, model)
     model.train_function = None
 
-    @tf.function(autograph=False)
-    def step(data):
+    def one_step(data):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             strategy = tf.distribute.get_strategy()
             logs = strategy.run(model.train_step, args=(data,))
             return strategy.experimental_local_results(logs)[0]
         return model.train_step(data)
+
+    traced = [tf.function(one_step, autograph=False)]
 
     def run(data):
         if not model.built:
@@ -717,7 +718,9 @@ def make_private(model):
             model(x)
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        return step(data)
+        if _sharing_grew(model):  # traced anew, so that model's ledger records it
+            traced[0] = tf.function(one_step, autograph=False)
+        return traced[0](data)
 
     return run
 
