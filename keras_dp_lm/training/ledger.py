@@ -96,6 +96,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         # Ledgers whose rows this one took over when it was created (inherit),
         # with how many updates each had then.
         self._includes = weakref.WeakKeyDictionary()
+        self._for = "?"  # the name of the model it counts for, in messages
 
     # -- Keras saving (the ledger is saved with the model's weights) ---------
     def _obj_type(self):
@@ -154,7 +155,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                  if _rows_after(source.rows(), taken.get(source, 0))} - {None}
         if len(units) > 1:
             raise ValueError(
-                "keras_dp_lm cannot count this model's DP updates: its weights were "
+                f"keras_dp_lm cannot count the DP updates of the model '{self._for}': its "
+                "weights were "
                 f"trained at different privacy units ({sorted(units)}) by different "
                 "models, and one ledger counts one unit. Train it from weights "
                 "trained at one unit.")
@@ -383,6 +385,7 @@ def ledger_of(model, create=True):
     ledger = holder.__dict__.get("_keras_dp_lm_ledger")
     if ledger is None and create:
         ledger = PrivacyLedger()
+        ledger._for = holder.name
         with tf.init_scope():  # eager, also when first asked inside a traced step
             ledger.inherit(_marking_ledgers(holder))  # kept only if it could
         ledger.__dict__["_holder"] = weakref.ref(holder)
@@ -424,8 +427,9 @@ def sharing_ledgers(model):
     records that step's updates, so a model trained as part of another one (a
     layer of it, held by a wrapper or custom layer, or the base of a new head)
     and then saved or reused alone carries what its weights received (r34d
-    D2). Models built after the step was traced, or before keras_dp_lm was
-    imported, are not seen: their variables still carry the step's marks."""
+    D2). A step traced before such a model was built is traced again at its
+    next call (``keras_dp_lm.training.step``); models built before
+    keras_dp_lm was imported are not seen."""
     own = ledger_of(model)
     trained = {id(v) for v in model.trainable_variables}
     ledgers = []
