@@ -1486,3 +1486,23 @@ def test_inherited_updates_are_not_lost_nor_repriced():
     rows = _fit_table(poisson + [(1.0, 0.0, 32.0, 10), (1.0, 0.0625, 4.0, 1)])
     assert len(rows) <= MAX_ROWS and sum(r[3] for r in rows) == 42
     assert (1.0, 0.0, 32.0, 10) in [tuple(r) for r in rows]  # never repriced
+
+
+def test_a_full_ledger_never_reprices_a_fixed_size_update():
+    """r37 U4 (in record): with the 32 rows full, a fixed-size update (q = 0,
+    priced at its batch over the reader's dataset size) merged into the last
+    Poisson row took its rate: eps 7.38 -> 1.01 at N = 64. It now merges into
+    the last row of its kind, or the last two rows merge to make room."""
+    from keras_dp_lm.training.ledger import MAX_ROWS
+
+    ledger = kdp.ledger_of(_dense())
+    ok = tf.constant(True)
+    for i in range(MAX_ROWS):  # Poisson rows, alternating sigma: no merging
+        ledger.record(1.0 + i % 2, 0.0625, 4, ok)
+    ledger.record(1.0, 0.0, 32, ok)  # fixed-size, in graph mode too
+    tf.function(lambda: ledger.record(1.0, 0.0, 16, ok))()
+    rows = ledger.rows()
+    assert len(rows) == MAX_ROWS and ledger.updates == MAX_ROWS + 2
+    assert rows[-1] == (1.0, 0.0, 32.0, 2)  # its own row, never at q = 0.0625
+    assert rows[-2] == (1.0, 0.0625, 4.0, 2)  # the two it displaced, merged
+    assert all(q > 0 for _, q, _, _ in rows[:-1])

@@ -293,19 +293,34 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         # fixed-size batch has rate 0 (priced at the reader's dataset_size).
         q = self.recorded_rate(sampling_rate)
         batch = tf.cast(real_batch, tf.float64)
+        fresh = tf.stack([sigma, q, batch, tf.constant(1.0, tf.float64)])
         last = tf.maximum(rows - 1, 0)
         previous = tf.gather(table, last)
         same = (rows > 0) & tf.equal(previous[0], sigma) & tf.equal(previous[1], q)
         full = rows >= MAX_ROWS
-        merged = tf.stack([tf.minimum(previous[0], sigma), tf.maximum(previous[1], q),
-                           tf.maximum(previous[2], batch), previous[3] + 1.0])
-        fresh = tf.stack([sigma, q, batch, tf.constant(1.0, tf.float64)])
-        into_last = same | full
-        index = tf.where(into_last, last, rows)
-        row = tf.where(into_last, merged, fresh)
-        table = tf.tensor_scatter_nd_update(table, tf.reshape(index, [1, 1]), row[None])
+        # A full table merges the update into the last row of its kind
+        # (fixed-size, q == 0, priced at its batch over the reader's dataset
+        # size; Poisson, q > 0): a fixed-size row merged into a Poisson row
+        # would be repriced at the Poisson rate (r37 U4). With no row of its
+        # kind, the last two rows (of the other kind) merge to make room.
+        slots = tf.range(MAX_ROWS, dtype=rows.dtype)
+        of_kind = (slots < rows) & tf.equal(table[:, 1] > 0, q > 0)
+        kind_last = tf.reduce_max(tf.where(of_kind, slots, -1))
+        target = tf.where(same, last, tf.maximum(kind_last, 0))
+        into_row = same | (full & (kind_last >= 0))
+        compact = full & ~into_row
+        merged = _merge_rows(tf.gather(table, target), fresh)
+        table = tf.where(
+            compact,
+            tf.concat([table[:MAX_ROWS - 2],
+                       _merge_rows(table[MAX_ROWS - 2], table[MAX_ROWS - 1])[None],
+                       fresh[None]], axis=0),
+            tf.tensor_scatter_nd_update(
+                table, tf.reshape(tf.where(into_row, target, tf.minimum(rows, MAX_ROWS - 1)),
+                                  [1, 1]),
+                tf.where(into_row, merged, fresh)[None]))
         self.table.assign(table)
-        self.num_rows.assign(tf.where(into_last, rows, rows + 1))
+        self.num_rows.assign(tf.where(into_row | compact, rows, rows + 1))
         self.violations.assign_add(tf.cast(tf.logical_not(ok), tf.int64))
         # only what an accountant checked (its expected count is known)
         counted = (ok & (tf.cast(sampling_rate, tf.float64) > 0)
@@ -320,6 +335,13 @@ def _is_keras_hub_task(model):
     return any(cls.__name__ == "Task"
                and cls.__module__.startswith(("keras_hub.", "keras_nlp."))
                for cls in type(model).__mro__)
+
+
+def _merge_rows(a, b):
+    """One row for the updates of rows ``a`` and ``b`` (tensors), conservatively:
+    smallest sigma, largest q and batch, their counts summed."""
+    return tf.stack([tf.minimum(a[0], b[0]), tf.maximum(a[1], b[1]),
+                     tf.maximum(a[2], b[2]), a[3] + b[3]])
 
 
 def _rows_after(rows, skip):
