@@ -24,8 +24,10 @@ The ledger also holds its privacy unit (:attr:`PrivacyLedger.privacy_unit`):
 (:func:`keras_dp_lm.data.poisson_user_batches`); the step refuses to mix them.
 
 Consecutive updates with the same sigma and q share a row. When the table is
-full, a new row is merged into the last one conservatively (smallest sigma,
-largest q and batch), which can only over-report epsilon.
+full, a new update is merged into the last row of its kind (fixed-size, q = 0;
+Poisson, q > 0) conservatively (smallest sigma, largest q and batch), which can
+only over-report epsilon; a fixed-size row is never merged into a Poisson row,
+whose q would reprice it.
 
 The accountant registers the parameters it assumes (:meth:`PrivacyLedger.set_limits`);
 the step then checks every batch against them *before* applying the update.
