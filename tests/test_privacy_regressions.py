@@ -1506,3 +1506,23 @@ def test_a_full_ledger_never_reprices_a_fixed_size_update():
     assert rows[-1] == (1.0, 0.0, 32.0, 2)  # its own row, never at q = 0.0625
     assert rows[-2] == (1.0, 0.0625, 4.0, 2)  # the two it displaced, merged
     assert all(q > 0 for _, q, _, _ in rows[:-1])
+
+
+def test_a_ledger_that_cannot_take_over_its_sources_is_not_kept():
+    """r37 U1: weights trained at two privacy units cannot be counted by one
+    ledger. The first ledger_of raised, but left an empty ledger on the model,
+    which then saved and trained as if it had no DP updates."""
+    from keras_dp_lm.training.ledger import mark_dp_trained
+
+    user_layer, example_layer = keras.layers.Dense(4), keras.layers.Dense(3)
+    for layer, unit in ((user_layer, "user"), (example_layer, "example")):
+        trainer = keras.Sequential([keras.Input((4,)), layer])
+        trainer.build((None, 4))
+        ledger = kdp.ledger_of(trainer)
+        ledger.record(1.0, 0.5, 3, tf.constant(True), unit=unit)
+        mark_dp_trained(trainer.weights, ledger)  # as a DP step of that unit does
+    inputs = keras.Input((4,))
+    both = keras.Model(inputs, example_layer(user_layer(inputs)))
+    for _ in range(2):  # refused every time, never an empty ledger
+        with pytest.raises(ValueError, match="different privacy units"):
+            kdp.ledger_of(both)

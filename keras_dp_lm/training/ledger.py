@@ -98,7 +98,6 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         # Ledgers whose rows this one took over when it was created (inherit),
         # with how many updates each had then.
         self._includes = weakref.WeakKeyDictionary()
-        self._for = "?"  # the name of the model it counts for, in messages
 
     # -- Keras saving (the ledger is saved with the model's weights) ---------
     def _obj_type(self):
@@ -150,15 +149,18 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         for source in sources:
             for ledger, updates in source._includes.items():
                 taken[ledger] = max(taken.get(ledger, 0), updates)
-        rows = []
+        rows, units = [], set()
         for source in sources:
-            rows += _rows_after(source.rows(), taken.get(source, 0))
-        units = {source.privacy_unit for source in sources
-                 if _rows_after(source.rows(), taken.get(source, 0))} - {None}
+            new = _rows_after(source.rows(), taken.get(source, 0))
+            rows += new
+            if new:
+                units.add(source.privacy_unit)
+        units -= {None}
         if len(units) > 1:
+            holder = self.__dict__.get("_holder", lambda: None)()
             raise ValueError(
-                f"keras_dp_lm cannot count the DP updates of the model '{self._for}': its "
-                "weights were "
+                f"keras_dp_lm cannot count the DP updates of the model "
+                f"'{getattr(holder, 'name', '?')}': its weights were "
                 f"trained at different privacy units ({sorted(units)}) by different "
                 "models, and one ledger counts one unit. Train it from weights "
                 "trained at one unit.")
@@ -409,10 +411,9 @@ def ledger_of(model, create=True):
     ledger = holder.__dict__.get("_keras_dp_lm_ledger")
     if ledger is None and create:
         ledger = PrivacyLedger()
-        ledger._for = holder.name
+        ledger.__dict__["_holder"] = weakref.ref(holder)
         with tf.init_scope():  # eager, also when first asked inside a traced step
             ledger.inherit(_marking_ledgers(holder))  # kept only if it could
-        ledger.__dict__["_holder"] = weakref.ref(holder)
         holder.__dict__["_keras_dp_lm_ledger"] = ledger
     return ledger
 

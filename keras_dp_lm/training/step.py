@@ -904,8 +904,9 @@ class _CheckedTrainFunction:
 
     def __call__(self, *args, **kwargs):
         model = self._model
-        fit_guards.check_training_is_private(model, _bound_to_dp_step(model))
-        if _bound_to_dp_step(model) and _sharing_grew(model):
+        dp = _bound_to_dp_step(model)
+        fit_guards.check_training_is_private(model, dp)
+        if dp and _sharing_grew(model):
             model.make_train_function(force=True)
             return model.train_function(*args, **kwargs)
         return self._function(*args, **kwargs)
