@@ -1511,7 +1511,11 @@ def test_a_full_ledger_never_reprices_a_fixed_size_update():
 def test_a_ledger_that_cannot_take_over_its_sources_is_not_kept():
     """r37 U1: weights trained at two privacy units cannot be counted by one
     ledger. The first ledger_of raised, but left an empty ledger on the model,
-    which then saved and trained as if it had no DP updates."""
+    which then saved and trained as if it had no DP updates. The training
+    models are gone when the new model is built: the weights' marks held them
+    weakly, so their updates were lost (a new model on them started at zero)."""
+    import gc
+
     from keras_dp_lm.training.ledger import mark_dp_trained
 
     user_layer, example_layer = keras.layers.Dense(4), keras.layers.Dense(3)
@@ -1521,6 +1525,8 @@ def test_a_ledger_that_cannot_take_over_its_sources_is_not_kept():
         ledger = kdp.ledger_of(trainer)
         ledger.record(1.0, 0.5, 3, tf.constant(True), unit=unit)
         mark_dp_trained(trainer.weights, ledger)  # as a DP step of that unit does
+    del trainer, ledger
+    gc.collect()
     inputs = keras.Input((4,))
     both = keras.Model(inputs, example_layer(user_layer(inputs)))
     for _ in range(2):  # refused every time, never an empty ledger

@@ -480,13 +480,16 @@ def mark_dp_trained(variables, ledger):
     the ``ledger`` that counts those updates: a DP step traced them, or they
     were loaded with a ledger holding DP updates. Any model then refuses to
     train them with a non-DP optimizer
-    (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`)."""
+    (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`).
+    The variables hold the ledger itself, not a weak reference: a model built
+    on them after the training model is gone still finds those updates."""
     for variable in variables:
         ledgers = getattr(variable, _DP_TRAINED, None)
         if ledgers is None:
-            ledgers = weakref.WeakSet()
+            ledgers = []
             setattr(variable, _DP_TRAINED, ledgers)
-        ledgers.add(ledger)
+        if all(ledger is not held for held in ledgers):
+            ledgers.append(ledger)
     _ANY_MARKED[0] = True
 
 
