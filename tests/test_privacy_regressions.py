@@ -628,7 +628,7 @@ def test_mixing_examples_is_refused_before_any_update_with_fast_clipping(case, j
     y = np.zeros((6, 3), "float32")
     _assert_mixing_refused_before_any_update(model, x, y)
     assert kdp.ledger_of(model).updates == 0
-    assert model.jit_compile is jit and (model in step._XLA_CORES) is jit
+    assert model.jit_compile is jit and step.has_xla_core(model) is jit
     # the exact engine differentiates each example alone: trainable, and bounded
     model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=0.1, noise_multiplier=1.0,
                                       clipping="exact"), loss=loss)

@@ -336,3 +336,32 @@ def test_the_dp_step_is_not_converted_by_autograph(monkeypatch):
             if name.startswith(("keras_dp_lm.training", "keras_dp_lm.clipping"))
             and "_keep_real_slots_through" not in name]
     assert not ours, ours
+
+
+def test_a_dp_model_no_longer_used_is_garbage_collected():
+    """Before: the step cached the probe and the XLA core in module-level weak-key
+    dictionaries whose values (traced functions) referenced the model, so a model
+    whose probe could not tell (an all-padding first batch) or that compiled with
+    XLA stayed alive for the whole process, with every graph it traced (in the
+    test suite, ~70 models and millions of Python objects by the end of one file)."""
+    import gc
+    import weakref
+
+    from keras_dp_lm import sampling
+
+    def trained():
+        model = _dense_model()
+        model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                          expected_batch_size=4.0),
+                      loss=SCCE, jit_compile=True)
+        x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+        y = np.array([0, 1, 2, 0])
+        padding = sampling.attach_real_slots(None, np.zeros(4, "float32"))
+        model.fit(tf.data.Dataset.from_tensors((x, y, padding)), verbose=0)  # untold
+        assert kdp.ledger_of(model).updates == 1
+        return weakref.ref(model)
+
+    ref = trained()
+    keras.backend.clear_session(free_memory=True)
+    gc.collect()
+    assert ref() is None

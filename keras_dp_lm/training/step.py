@@ -331,7 +331,17 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
     return ClippedBatch(sums, losses.concat(), norms.concat(), mask, rounding.concat())
 
 
-_XLA_CORES = weakref.WeakKeyDictionary()
+# Per-model caches live in the model's own ``__dict__`` (not Keras-tracked):
+# their values (traced functions) reference the model, so a module-level
+# ``WeakKeyDictionary`` would keep every model that ever trained alive, and its
+# traced graphs with it (millions of Python objects over a test suite).
+_XLA_CORE = "_keras_dp_lm_xla_core"
+_PROBE = "_keras_dp_lm_probe"
+
+
+def has_xla_core(model):
+    """Whether ``model``'s DP step has compiled its clipping core with XLA."""
+    return _XLA_CORE in model.__dict__
 
 
 def _clipping_core(model):
@@ -352,11 +362,11 @@ def _clipping_core(model):
     # a core traced for the old optimizer would clip at the old C while the
     # noise is drawn for the new one (r34 F2).
     owner = (model.optimizer, tuple(model.trainable_variables))
-    cached = _XLA_CORES.get(model)
+    cached = model.__dict__.get(_XLA_CORE)
     if cached is None or not _same_objects(cached[0], owner):
         core = tf.function(_clipped_batch, jit_compile=True, reduce_retracing=True,
                            autograph=False)
-        _XLA_CORES[model] = cached = (owner, core)
+        model.__dict__[_XLA_CORE] = cached = (owner, core)
     return cached[1]
 
 
@@ -436,14 +446,11 @@ def _dp_make_train_function(model):
     return make_train_function
 
 
-_PROBES = weakref.WeakKeyDictionary()
-
-
 def _probe_batch(model, data, spec=None):
     """Run the independence probe on ``data`` (a batch as the step gets it,
     traced at ``spec`` if given); raise before any update if the model mixes
     examples or its forward pass writes model variables."""
-    probe = _PROBES.get(model)
+    probe = model.__dict__.get(_PROBE)
     if probe is None:
         def run(batch):
             x, y, sample_weight, mask, _, per_user = _unpack(batch)
@@ -451,7 +458,8 @@ def _probe_batch(model, data, spec=None):
             return refusals.without_state_updates(model, lambda: refusals.model_probe(
                 model, _probe_losses(model), (x, y, sample_weight), mask,
                 rows=_micro_batch_rows(model, mask, per_user), engine=_probe_engine(model)))
-        probe = _PROBES[model] = tf.function(run, reduce_retracing=True, autograph=False)
+        probe = model.__dict__[_PROBE] = tf.function(run, reduce_retracing=True,
+                                                     autograph=False)
     if spec is not None:
         probe = probe.get_concrete_function(spec)
     ok, meaningful = probe(data)
@@ -461,7 +469,7 @@ def _probe_batch(model, data, spec=None):
         state = refusals.probe_state(model)
         state.independence_checked.assign(1)
         state.probed_before_step = True
-        _PROBES.pop(model, None)  # its graph is not needed again
+        model.__dict__.pop(_PROBE, None)  # its graph is not needed again
 
 
 def _train_function_probing_first(model, train_function):
@@ -769,8 +777,8 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         self.train_step = types.MethodType(dp_train_step, self)
         # A new loss (or model) is probed again, by a probe traced anew.
         refusals.probe_state(self).reset()
-        _PROBES.pop(self, None)
-        _XLA_CORES.pop(self, None)
+        self.__dict__.pop(_PROBE, None)
+        self.__dict__.pop(_XLA_CORE, None)
         if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
             self.make_train_function = _dp_make_train_function(self)
         if hasattr(self, "preprocess_samples"):
