@@ -1532,3 +1532,29 @@ def test_a_ledger_that_cannot_take_over_its_sources_is_not_kept():
     for _ in range(2):  # refused every time, never an empty ledger
         with pytest.raises(ValueError, match="different privacy units"):
             kdp.ledger_of(both)
+
+
+def test_updates_merged_into_an_earlier_row_are_not_repriced_when_taken_over():
+    """Review of this stop: a full table merges an update into the last row of its
+    kind, which may be an earlier row. A ledger taking over the updates after the
+    first N of such a table read them by position, so a Poisson update merged into
+    an earlier row was taken as the fixed-size row after it (priced at batch /
+    dataset size, not at its q). The updates after N are now priced at each kind's
+    most conservative row."""
+    from keras_dp_lm.training.ledger import MAX_ROWS
+    from keras_dp_lm.training.ledger import PrivacyLedger
+
+    ok = tf.constant(True)
+    source = PrivacyLedger()
+    for i in range(MAX_ROWS - 1):  # Poisson rows, alternating sigma: no merging
+        source.record(1.0 + i % 2, 0.0625, 4, ok)
+    source.record(1.0, 0.0, 32, ok)  # a fixed-size row last: the table is full
+    first = PrivacyLedger()
+    first.inherit([source])  # takes over the first MAX_ROWS updates
+    source.record(1.0, 0.0625, 4, ok)  # merged into the last Poisson row, not the last row
+    assert source.rows()[-1] == (1.0, 0.0, 32.0, 1)
+    later = PrivacyLedger()
+    later.inherit([source, first])
+    poisson = sum(n for _, q, _, n in later.rows() if q > 0)
+    assert poisson >= MAX_ROWS  # all the Poisson updates the weights received
+    assert later.updates >= source.updates

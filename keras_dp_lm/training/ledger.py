@@ -348,8 +348,25 @@ def _merge_rows(a, b):
                      tf.maximum(a[2], b[2]), a[3] + b[3]])
 
 
+def _by_kind(rows):
+    """``[fixed-size rows (q == 0), Poisson rows (q > 0)]``."""
+    return [[r for r in rows if r[1] == 0], [r for r in rows if r[1] > 0]]
+
+
 def _rows_after(rows, skip):
-    """``rows`` without their first ``skip`` updates (rows are in order)."""
+    """``rows`` without their first ``skip`` updates.
+
+    Rows are in order until the table fills: a full table merges an update
+    into the last row *of its kind*, which may be an earlier row. Then the
+    ``n`` updates after ``skip`` cannot be told apart by position, and are
+    priced conservatively: ``n`` updates in each kind present, at that kind's
+    smallest sigma and largest q and batch (over-reports, never under)."""
+    if skip and len(rows) >= MAX_ROWS:
+        remaining = sum(r[3] for r in rows) - skip
+        if remaining <= 0:
+            return []
+        return [(min(r[0] for r in kind), max(r[1] for r in kind),
+                 max(r[2] for r in kind), remaining) for kind in _by_kind(rows) if kind]
     out = []
     for sigma, q, batch, updates in rows:
         kept = updates - min(skip, updates)
@@ -366,7 +383,7 @@ def _fit_table(rows):
     never merges with a Poisson row (its q would reprice it)."""
     if len(rows) <= MAX_ROWS:
         return rows
-    kinds = [[r for r in rows if r[1] == 0], [r for r in rows if r[1] > 0]]
+    kinds = _by_kind(rows)
     room = MAX_ROWS - sum(1 for kind in kinds if kind)
     kept = rows[:room]
     merged = []
