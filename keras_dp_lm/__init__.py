@@ -57,7 +57,7 @@ _EXPORTS = {
     "DPVocabularyAdapter": "keras_dp_lm.tokenizers",
 }
 _SUBMODULES = ("accounting", "callbacks", "data", "evaluation", "optimizers", "samplers",
-               "testing", "tokenizers", "training")
+               "testing", "tokenizers", "training", "tuning")
 _DEPRECATED_SUBMODULES = {"sampling": "data", "vocab": "tokenizers", "generation": "samplers"}
 # Modules that register Keras objects or patch Keras: imported as soon as Keras is.
 _KERAS_MODULES = ("keras_dp_lm.training", "keras_dp_lm.optimizers",

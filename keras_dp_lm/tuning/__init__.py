@@ -1,0 +1,15 @@
+"""Hyperparameter search on private data, its whole privacy cost accounted.
+
+* :func:`private_search`: DP trials of a Keras model, a random number of them,
+  scored with noise on a held-out private split; the best is released and the
+  whole search is charged to one budget (private selection, Papernot &
+  Steinke 2022; the arithmetic is :mod:`keras_dp_lm.accounting.selection`).
+
+See :mod:`keras_dp_lm.tuning.search` for a runnable example.
+"""
+
+from keras_dp_lm.tuning.search import Candidate
+from keras_dp_lm.tuning.search import SearchResult
+from keras_dp_lm.tuning.search import private_search
+
+__all__ = ["Candidate", "SearchResult", "private_search"]

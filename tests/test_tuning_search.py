@@ -1,0 +1,96 @@
+"""The private search: what it accounts is what its trials applied, it refuses before
+training, and it releases the best trial."""
+
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+
+import keras_dp_lm as kdp
+from keras_dp_lm import tuning
+from keras_dp_lm.accounting import dp_sgd_event
+from keras_dp_lm.training.ledger import ledger_of
+
+
+def toy(n=500, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    return x, (x[:, 0] + 0.3 * x[:, 1] > 0).astype("int32")
+
+
+def make_builder(built):
+    def build(candidate):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        built.append((candidate, model))
+        return model
+    return build
+
+
+def test_search_epsilon_is_dp_accounting_on_what_every_trial_applied():
+    x, y = toy()
+    built = []
+    result = tuning.private_search(
+        make_builder(built), x, y, target_epsilon=4.0, delta=1e-5, epochs=6.0,
+        min_steps=15, candidates=[tuning.Candidate(1e-5), tuning.Candidate(0.1)],
+        mean_trials=2.5, seed=3)
+    assert built, "no trial ran"
+    score_sigma = max(2.0, 0.01 * result.validation_size)
+    for _, model in built:  # each trial: the accounted updates, nothing else
+        rows = ledger_of(model).rows()
+        assert sum(r[3] for r in rows) == result.steps
+        assert {(r[0], r[1]) for r in rows} == {(result.noise_multiplier,
+                                                 result.sampling_rate)}
+    applied_trial = dp_accounting.ComposedDpEvent([
+        dp_sgd_event(result.noise_multiplier, result.sampling_rate, result.steps),
+        dp_accounting.GaussianDpEvent(score_sigma)])
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(applied_trial, 2.5, 1.0))
+    truth = acc.get_epsilon(result.delta)
+    assert result.epsilon >= truth * (1 - 1e-9)
+    assert result.epsilon <= 4.0
+    assert 1e-3 * 1e-5 == pytest.approx(1e-5 - result.delta)  # the overflow reserve
+    # the released model is the best-scoring trial's, trained at its candidate's rate
+    assert any(model is result.model and cand == result.candidate for cand, model in built)
+    assert result.candidate.learning_rate == 0.1 or len(built) == 1
+    assert "spends epsilon" in result.explain()
+
+
+def test_search_over_budget_is_refused_before_any_model_is_built():
+    x, y = toy(200)
+    built = []
+    with pytest.raises(ValueError, match="Lower `mean_trials`"):
+        tuning.private_search(make_builder(built), x, y, target_epsilon=0.05, delta=1e-5,
+                              candidates=[tuning.Candidate(0.1)], mean_trials=20,
+                              score_noise_multiplier=0.5, seed=0)
+    assert built == []
+
+
+def test_a_trial_on_weights_already_dp_trained_is_refused_before_training():
+    x, y = toy(200)
+    shared = keras.layers.Dense(2)
+    first = keras.Sequential([keras.Input((4,)), shared])
+    first.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    first.fit(x, y, batch_size=50, epochs=1, verbose=0)
+    before = [w.numpy().copy() for w in shared.weights]
+
+    def build(candidate):
+        return keras.Sequential([keras.Input((4,)), shared])
+
+    with pytest.raises(ValueError, match="already received"):
+        tuning.private_search(build, x, y, target_epsilon=4.0, delta=1e-5, epochs=2.0,
+                              min_steps=5, candidates=[tuning.Candidate(0.1)], seed=0)
+    for w, b in zip(shared.weights, before):
+        np.testing.assert_array_equal(w.numpy(), b)
+
+
+def test_search_arguments_are_checked():
+    x, y = toy(100)
+    with pytest.raises(ValueError, match="non-empty list of tuning.Candidate"):
+        tuning.private_search(lambda c: None, x, y, target_epsilon=3.0, delta=1e-5,
+                              candidates=[0.1])
+    with pytest.raises(ValueError, match="same rows"):
+        tuning.private_search(lambda c: None, x, y[:50], target_epsilon=3.0, delta=1e-5,
+                              candidates=[tuning.Candidate(0.1)])
