@@ -22,3 +22,15 @@ def test_custom_layer_rule_example_runs(block):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ghost" in result.stdout and "why exact" in result.stdout
+
+
+@pytest.mark.slow
+def test_private_search_quick_start_runs_as_written():
+    block = next(b for b in BLOCKS if "tuning.private_search" in b)
+    result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "spends epsilon" in result.stdout
+    accuracy, epsilon = re.search(r"test accuracy ([\d.]+) at epsilon ([\d.]+)",
+                                  result.stdout).groups()
+    assert float(epsilon) <= 3.0 and float(accuracy) > 0.5

@@ -119,6 +119,34 @@ def test_learning_rate_is_raised_for_the_noise_in_adams_second_moment():
                           max_noise_learning_rate_scale=4.0).noise_learning_rate_factor == 4.0
 
 
+def test_a_new_head_gets_the_displacement_rate_whatever_the_non_private_rate():
+    kwargs = dict(dataset_size=3_000, target_epsilon=3.0, delta=1e-6, epochs=50.0,
+                  num_parameters=770, trainable="head")
+    head = suggest_recipe(**kwargs, learning_rate=1e-4)
+    assert head.learning_rate == pytest.approx(2.0 / head.steps)
+    assert suggest_recipe(**kwargs, learning_rate=1.0).learning_rate == head.learning_rate
+    assert suggest_recipe(**kwargs, head_displacement=3.0).learning_rate == pytest.approx(
+        3.0 / head.steps)
+    assert head.trainable == "head" and "trainable='head'" in head.explain()
+    # the privacy is the same as fine-tuning's at the same budget
+    tuned = suggest_recipe(**{**kwargs, "trainable": "pretrained"})
+    assert (head.noise_multiplier, head.epsilon) == (tuned.noise_multiplier, tuned.epsilon)
+    with pytest.raises(ValueError, match="trainable"):
+        suggest_recipe(**{**kwargs, "trainable": "lora"})
+
+
+def test_explain_names_the_regime_and_says_to_train_fewer_parameters_when_swamped():
+    # the failing case: 3,600 examples, the whole 22M-parameter MiniLM
+    swamped = suggest_recipe(3_600, 3.0, 1e-6, epochs=3.0, learning_rate=5e-5,
+                             num_parameters=22_000_000)
+    assert swamped.noise_to_signal > 100
+    assert "regime: noise-dominated" in swamped.explain()
+    assert "train fewer parameters" in swamped.explain()
+    probe = suggest_recipe(3_000, 3.0, 1e-6, epochs=50.0, num_parameters=770)
+    assert probe.noise_to_signal < 10 and "regime: signal-carrying" in probe.explain()
+    assert "train fewer parameters" not in probe.explain()
+
+
 def test_without_the_parameter_count_the_rate_is_uncorrected_and_says_so():
     with pytest.warns(UserWarning, match="num_parameters"):
         recipe = suggest_recipe(10_222, 3.0, epochs=3.0, learning_rate=1e-4)

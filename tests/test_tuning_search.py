@@ -36,7 +36,9 @@ def test_search_epsilon_is_dp_accounting_on_what_every_trial_applied():
         min_steps=15, candidates=[tuning.Candidate(1e-5), tuning.Candidate(0.1)],
         mean_trials=2.5, seed=3)
     assert built, "no trial ran"
-    score_sigma = max(2.0, 0.01 * result.validation_size)
+    score_sigma = result.score_noise_multiplier
+    assert score_sigma == tuning.search.default_score_noise(4.0, 1e-5, 2.5, 1.0,
+                                                            result.validation_size)
     for _, model in built:  # each trial: the accounted updates, nothing else
         rows = ledger_of(model).rows()
         assert sum(r[3] for r in rows) == result.steps
@@ -94,3 +96,24 @@ def test_search_arguments_are_checked():
     with pytest.raises(ValueError, match="same rows"):
         tuning.private_search(lambda c: None, x, y[:50], target_epsilon=3.0, delta=1e-5,
                               candidates=[tuning.Candidate(0.1)])
+
+
+def test_public_search_simulates_the_private_run_and_ranks_every_candidate():
+    from keras_dp_lm.recipes import suggest_recipe
+
+    x, y = toy(800)
+    recipe = suggest_recipe(2000, 3.0, 1e-6, epochs=5.0, min_steps=20, num_parameters=10)
+    built = []
+    found = tuning.public_search(make_builder(built), x, y, recipe=recipe, seed=0,
+                                 candidates=[tuning.Candidate(1e-5), tuning.Candidate(0.1)])
+    assert [c for c, _ in built] == [tuning.Candidate(1e-5), tuning.Candidate(0.1)]
+    for _, model in built:  # the private run's noise and steps, at its batch size
+        rows = ledger_of(model).rows()
+        assert sum(r[3] for r in rows) == recipe.steps
+        assert {r[0] for r in rows} == {recipe.noise_multiplier}
+        assert rows[0][1] * 640 == pytest.approx(recipe.batch_size)  # q * public N
+    assert found.best == tuning.Candidate(0.1)
+    assert found.scores[tuning.Candidate(0.1)] > found.scores[tuning.Candidate(1e-5)] + 0.1
+    with pytest.raises(ValueError, match="smaller than the private batch"):
+        tuning.public_search(make_builder([]), x[:100], y[:100], recipe=recipe,
+                             candidates=[tuning.Candidate(0.1)])

@@ -37,6 +37,18 @@ them spends no privacy (tuning them on the private data would):
   tuned for GPT-2 (2e-3 from 5e-5) and RoBERTa (5e-4 from 1e-5) at batch ~1000,
   and on the Rotten Tomatoes example the rate (4.9e-3) that learns where the
   batch rule alone (3.1e-4) does not. A sweep on public data refines it.
+* **What is trained decides the rate** (``trainable``). ``"pretrained"``
+  (default): the rule above, for fine-tuning pretrained weights (whole model,
+  top layers, LoRA). ``"head"``: a new output layer trained from zero on frozen
+  features (a linear probe). Under DP-Adam the noise dominates the second
+  moment, so every coordinate moves about the rate per step whatever the
+  signal (Tang et al. 2024); a head must travel from zero to weights of order
+  one, so the rate is ``head_displacement / steps`` (2 / 100 = 0.02), and the
+  non-private rate plays no part. Measured on four tuning tasks (frozen MiniLM
+  features; ``benchmarks/utility_suite.py``), the best rates at 100 steps were
+  0.01-0.03. :meth:`DPRecipe.explain` says which regime the noise puts the run
+  in (``r`` below): above ``r = 10`` the noise swamps most coordinates, and
+  training fewer parameters usually wins (Tramer & Boneh 2021).
 * **Noise calibrated last**, with ``dp_accounting``'s PLD accountant, for the
   whole budget including other releases about the same data
   (``extra_events``, e.g. a DP vocabulary).
@@ -68,6 +80,12 @@ __all__ = ["DPRecipe", "suggest_recipe"]
 
 # The share of delta reserved for a Poisson draw above the padded cap.
 OVERFLOW_SHARE = 1e-3
+# A new head's rate times its steps (0.02 at 100 steps): the best DP-Adam rates of a
+# linear probe at 100 steps were 0.01-0.03 on the utility suite's tuning tasks.
+HEAD_DISPLACEMENT = 2.0
+TRAINABLE = ("pretrained", "head")
+# Above this noise-to-signal ratio the noise swamps most coordinates' updates.
+NOISE_DOMINATED = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +114,9 @@ class DPRecipe:
         overflow_probability: the cap's overflow probability over the run.
         noise_learning_rate_factor: the factor that compensates the DP noise in
             Adam's second moment (1.0 when ``num_parameters`` was not given).
+        trainable: the regime the rate was chosen for (``"pretrained"`` or ``"head"``).
+        noise_to_signal: ``r = sigma sqrt(d) / (kappa B)`` (None without
+            ``num_parameters``).
         extra_events: the other releases composed with training.
         reasons: one line per choice; :meth:`explain` joins them.
     """
@@ -117,6 +138,8 @@ class DPRecipe:
     reasons: tuple = ()
     overflow_probability: float = 0.0
     noise_learning_rate_factor: float = 1.0
+    trainable: str = "pretrained"
+    noise_to_signal: float = None
 
     @property
     def epochs(self):
@@ -212,15 +235,17 @@ def _positive(name, value, integer=False):
     return int(value) if integer else float(value)
 
 
-def _noise_learning_rate_factor(sigma, batch, num_parameters, alignment, cap):
-    """``(factor, reason)``: ``sqrt(1 + r^2)``, ``r = sigma sqrt(d) / (kappa B)``, capped."""
+def _noise_learning_rate_factor(sigma, batch, num_parameters, alignment, cap, warn=True):
+    """``(factor, reason, r)``: ``sqrt(1 + r^2)``, ``r = sigma sqrt(d) / (kappa B)``, capped."""
     if num_parameters is None:
+        if not warn:
+            return 1.0, "", None
         warnings.warn(
             "suggest_recipe: `num_parameters` not given, so the learning rate is not "
             "corrected for the DP noise in Adam's second moment; with few examples and "
             "many trainable parameters it is then far too small (training stays at the "
             "majority class). Pass the number of trainable parameters.", stacklevel=3)
-        return 1.0, "no noise correction: `num_parameters` not given"
+        return 1.0, "no noise correction: `num_parameters` not given", None
     d = _positive("num_parameters", num_parameters, integer=True)
     alignment = _positive("gradient_alignment", alignment)
     cap = _positive("max_noise_learning_rate_scale", cap)
@@ -229,7 +254,7 @@ def _noise_learning_rate_factor(sigma, batch, num_parameters, alignment, cap):
     return factor, (f"the noise factor sqrt(1 + r^2), at most {cap:g}: Adam divides by the "
                     f"root of a second moment the DP noise inflates; r = sigma sqrt(d) / "
                     f"(kappa B) = {ratio:.3g} for d = {d} trainable parameters and kappa "
-                    f"= {alignment:g})")
+                    f"= {alignment:g})"), ratio
 
 
 def _extra_delta(events):
@@ -242,7 +267,8 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
                    reference_batch_size=32, max_learning_rate_scale=8.0,
                    num_parameters=None, gradient_alignment=0.25,
                    max_noise_learning_rate_scale=16.0, l2_norm_clip=0.1, extra_events=(),
-                   batch_size=None, steps=None):
+                   batch_size=None, steps=None, trainable="pretrained",
+                   head_displacement=HEAD_DISPLACEMENT):
     """Propose DP fine-tuning hyperparameters; see the module docstring for the rules.
 
     Args:
@@ -272,6 +298,12 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
         batch_size, steps: fix either or both instead of deriving them from
             ``epochs``; the other choices (noise, clip, learning rate) still follow
             the rules.
+        trainable: ``"pretrained"`` (fine-tuning pretrained weights: the rate is
+            ``learning_rate`` scaled for batch and noise) or ``"head"`` (a new
+            output layer on frozen features: the rate is ``head_displacement /
+            steps``, ``learning_rate`` unused).
+        head_displacement: how far, per coordinate, a head's rate lets it
+            travel over the run (the rate times the steps).
 
     Returns:
         A :class:`DPRecipe`.
@@ -285,6 +317,9 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
     reference_batch_size = _positive("reference_batch_size", reference_batch_size,
                                      integer=True)
     l2_norm_clip = _positive("l2_norm_clip", l2_norm_clip)
+    if trainable not in TRAINABLE:
+        raise ValueError(f"`trainable` must be one of {TRAINABLE}, got {trainable!r}.")
+    head_displacement = _positive("head_displacement", head_displacement)
     if delta is None:
         delta = 10.0 ** math.floor(math.log10(1.0 / (10 * n)))
     if not 0 < delta < 1:
@@ -351,13 +386,33 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
                    "2022); with Adam it sets the noise-to-signal ratio, not the step size")
     scale = min(max_learning_rate_scale, math.sqrt(batch / reference_batch_size))
     scale = max(scale, 1.0)
-    noise_factor, noise_reason = _noise_learning_rate_factor(
-        sigma, batch, num_parameters, gradient_alignment, max_noise_learning_rate_scale)
-    lr = learning_rate * scale * noise_factor
-    reasons.append(f"learning rate {lr:.3g}: your non-private {learning_rate:g} at batch "
-                   f"{reference_batch_size} times {scale:.2f} (square-root batch scaling "
-                   f"for Adam, at most {max_learning_rate_scale:g}x) times "
-                   f"{noise_factor:.2f} ({noise_reason})")
+    noise_factor, noise_reason, ratio = _noise_learning_rate_factor(
+        sigma, batch, num_parameters, gradient_alignment, max_noise_learning_rate_scale,
+        warn=trainable == "pretrained")
+    if trainable == "head":
+        noise_factor = 1.0
+        lr = head_displacement / steps
+        reasons.append(f"learning rate {lr:.3g}: a new head (trainable='head') trained from "
+                       f"zero moves each coordinate about the rate per step under DP-Adam "
+                       f"(the noise fills Adam's second moment), so the rate is "
+                       f"{head_displacement:g} / {steps} steps; the non-private rate plays "
+                       "no part")
+    else:
+        lr = learning_rate * scale * noise_factor
+        reasons.append(f"learning rate {lr:.3g}: your non-private {learning_rate:g} at batch "
+                       f"{reference_batch_size} times {scale:.2f} (square-root batch scaling "
+                       f"for Adam, at most {max_learning_rate_scale:g}x) times "
+                       f"{noise_factor:.2f} ({noise_reason})")
+    if ratio is not None:
+        regime = ("noise-dominated" if ratio > NOISE_DOMINATED else "signal-carrying")
+        advice = (f" With {n} examples and {num_parameters} trainable parameters, train "
+                  "fewer parameters (trainable='head' on frozen features, or LoRA; Tramer "
+                  "& Boneh 2021), a larger batch, or tune privately "
+                  "(keras_dp_lm.tuning.private_search)" if ratio > NOISE_DOMINATED
+                  and trainable == "pretrained" else "")
+        reasons.append(f"regime: {regime} (noise-to-signal r = {ratio:.3g} per coordinate; "
+                       f"above {NOISE_DOMINATED:g} the noise swamps most coordinates' "
+                       f"updates).{advice}")
     overflow_probability = overflow_delta / (1.0 + math.exp(target_epsilon))
     accumulation = 1
     if micro_batch_size is not None:
@@ -377,4 +432,5 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
         learning_rate=lr, gradient_accumulation_steps=accumulation, epsilon=spent,
         training_epsilon=training_eps, training_delta=training_delta,
         extra_events=extra_events, reasons=tuple(reasons),
-        overflow_probability=overflow_probability, noise_learning_rate_factor=noise_factor)
+        overflow_probability=overflow_probability, noise_learning_rate_factor=noise_factor,
+        trainable=trainable, noise_to_signal=ratio)

@@ -48,10 +48,13 @@ from keras_dp_lm.accounting.epsilon import compute_epsilon
 from keras_dp_lm.accounting.overflow import suggest_max_batch_size
 from keras_dp_lm.recipes import suggest_recipe
 
-__all__ = ["Candidate", "SearchResult", "private_search"]
+__all__ = ["Candidate", "PublicSearchResult", "SearchResult", "private_search",
+           "public_search"]
 
 # Share of delta reserved for a Poisson draw above the padded cap in any trial.
 _OVERFLOW_SHARE = 1e-3
+# The most of the budget the noisy scores alone may cost by default.
+_SCORE_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,8 @@ class SearchResult:
             later releases about the same data.
         noise_multiplier, sampling_rate, steps, l2_norm_clip: every trial's.
         mean_trials, shape: the distribution of the number of trials.
+        validation_size: the held-out private examples that scored the trials.
+        score_noise_multiplier: the std of the noise on each trial's summed score.
     """
 
     model: object
@@ -97,6 +102,7 @@ class SearchResult:
     mean_trials: float
     shape: float
     validation_size: int
+    score_noise_multiplier: float
 
     def explain(self):
         return (f"Private search: the best of a random number of DP trials (mean "
@@ -155,7 +161,8 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         score_fn: ``score_fn(model, x_val, y_val) -> per-example scores``,
             clipped to [0, 1] (higher is better); default: accuracy of the argmax.
         score_noise_multiplier: std of the noise on the summed score; default
-            ``max(2, 0.01 * validation size)`` (about one point of accuracy).
+            :func:`default_score_noise` (about one point of accuracy, more on a
+            small validation part or a small budget).
         micro_batch_size: gradient accumulation's micro-batch (memory only).
         seed: for tests only: fixes the split, the trial count, the candidates
             and the Poisson draws. ``None`` draws them from OS entropy.
@@ -185,7 +192,8 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     val_index, train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
     n_train = len(train_index)
     if score_noise_multiplier is None:
-        score_noise_multiplier = max(2.0, 0.01 * n_val)
+        score_noise_multiplier = default_score_noise(target_epsilon, delta, mean_trials,
+                                                     shape, n_val)
 
     # Plan: batch and steps by the recipe's rules, then the noise for the whole search.
     overflow_delta = _OVERFLOW_SHARE * delta
@@ -252,7 +260,36 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         model=best[2], candidate=best[1], score=float(best[0]), epsilon=spent,
         delta=search_delta, dp_event=event, noise_multiplier=sigma, sampling_rate=q,
         steps=steps, l2_norm_clip=l2_norm_clip, mean_trials=float(mean_trials),
-        shape=float(shape), validation_size=n_val)
+        shape=float(shape), validation_size=n_val,
+        score_noise_multiplier=float(score_noise_multiplier))
+
+
+def default_score_noise(target_epsilon, delta, mean_trials, shape, validation_size):
+    """The score's noise std by default: about one point of accuracy
+    (``0.01 * validation_size``), or more when needed for the scores alone to
+    cost at most a quarter of ``target_epsilon`` in the search.
+
+    Example:
+        >>> default_score_noise(3.0, 1e-6, 3.0, 1.0, 5000)
+        50.0
+    """
+    from dp_accounting import dp_event
+
+    def cost(sigma):
+        return selection.selection_epsilon(dp_event.GaussianDpEvent(sigma), delta,
+                                           mean_trials, shape)
+
+    low, high = 0.0, max(2.0, 0.01 * validation_size)
+    if cost(high) <= _SCORE_SHARE * target_epsilon:
+        return high
+    while cost(high) > _SCORE_SHARE * target_epsilon:
+        if high > 1e6:
+            return high  # calibration then says the budget is out of reach
+        low, high = high, 2 * high
+    while high - low > 1e-3 * high:
+        mid = (low + high) / 2
+        low, high = (mid, high) if cost(mid) > _SCORE_SHARE * target_epsilon else (low, mid)
+    return high
 
 
 def _check_applied(ledger, sigma, q, steps):
@@ -267,3 +304,111 @@ def _check_applied(ledger, sigma, q, steps):
             f"{rows}; accounted {steps} updates at sigma {sigma:.6g}, q {q:.6g}). Build a "
             "fresh model in `build_model` (no weights trained before with DP) and do not "
             "compile or fit it yourself.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PublicSearchResult:
+    """What a search on public proxy data found (no privacy spent).
+
+    Attributes:
+        best: the :class:`Candidate` with the best validation score.
+        scores: ``{candidate: mean validation score}`` for every candidate.
+        noise_multiplier, batch_size, steps, l2_norm_clip: the private run simulated.
+    """
+
+    best: Candidate
+    scores: dict
+    noise_multiplier: float
+    batch_size: int
+    steps: int
+    l2_norm_clip: float
+
+
+def public_search(build_model, x, y, *, recipe, candidates,
+                  loss="sparse_categorical_crossentropy_from_logits",
+                  validation_fraction=0.2, repeats=1, score_fn=None, seed=None, verbose=0):
+    """Try every candidate on PUBLIC data under the private run's noise: free.
+
+    Each candidate trains a fresh model with DP-Adam at the recipe's noise
+    multiplier, clip and steps, on Poisson batches of the recipe's expected
+    size drawn from the public records, so every update carries the private
+    run's noise-to-signal ratio; it is scored exactly on a public validation
+    split. Nothing private is touched, so the choice costs no privacy; then
+    train privately with ``recipe.optimizer(learning_rate=result.best.learning_rate)``.
+
+    It transfers when the public task resembles the private one: the same model
+    and features, similar labels, and a public set at least as large as the
+    private batch (``recipe.batch_size``). When they differ, prefer
+    :func:`private_search`, which tunes on the private data at an accounted cost.
+
+    Args:
+        build_model, candidates, loss, score_fn, verbose: as :func:`private_search`.
+        x, y: public records and labels.
+        recipe: the private run's :class:`~keras_dp_lm.recipes.DPRecipe`.
+        validation_fraction: public records held out to score candidates.
+        repeats: runs per candidate (fresh noise), averaged.
+        seed: for tests only.
+
+    Returns:
+        A :class:`PublicSearchResult`.
+
+    Example:
+        >>> import keras, numpy as np
+        >>> from keras_dp_lm import tuning
+        >>> from keras_dp_lm.recipes import suggest_recipe
+        >>> rng = np.random.default_rng(0)
+        >>> x = rng.normal(size=(800, 4)).astype("float32")
+        >>> y = (x[:, 0] > 0).astype("int32")
+        >>> recipe = suggest_recipe(2000, 3.0, 1e-6, epochs=5.0, min_steps=20,
+        ...                         num_parameters=10)
+        >>> found = tuning.public_search(
+        ...     lambda c: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]),
+        ...     x, y, recipe=recipe, seed=0,
+        ...     candidates=[tuning.Candidate(1e-5), tuning.Candidate(0.1)])
+        >>> found.best.learning_rate
+        0.1
+    """
+    import keras
+
+    from keras_dp_lm.data import poisson_batches
+    from keras_dp_lm.optimizers import DPAdam
+
+    candidates = list(candidates)
+    if not candidates or not all(isinstance(c, Candidate) for c in candidates):
+        raise ValueError("`candidates` must be a non-empty list of tuning.Candidate.")
+    n = _num_rows((x, y))
+    rng = random.Random(seed)
+    order = np.array(rng.sample(range(n), n))
+    n_val = max(1, int(round(validation_fraction * n)))
+    val_index, train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
+    if len(train_index) < recipe.batch_size:
+        raise ValueError(
+            f"The public training part ({len(train_index)} records) is smaller than the "
+            f"private batch ({recipe.batch_size}): the simulated updates would not carry the "
+            "private run's noise-to-signal ratio. Use more public data or private_search.")
+    x_train, y_train = _rows(x, train_index), _rows(y, train_index)
+    x_val, y_val = _rows(x, val_index), _rows(y, val_index)
+    q = recipe.batch_size / len(train_index)
+    cap = suggest_max_batch_size(len(train_index), q, recipe.steps,
+                                 max_overflow_probability=1e-9)
+    if loss == "sparse_categorical_crossentropy_from_logits":
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    score_fn = score_fn or _accuracy
+    scores = {}
+    for candidate in candidates:
+        runs = []
+        for _ in range(repeats):
+            model = build_model(candidate)
+            model.compile(optimizer=DPAdam(
+                learning_rate=candidate.learning_rate, l2_norm_clip=recipe.l2_norm_clip,
+                noise_multiplier=recipe.noise_multiplier, expected_batch_size=q * len(train_index),
+                seed=None if seed is None else rng.randrange(2**31)), loss=loss)
+            batches = poisson_batches((x_train, y_train), q, cap, num_steps=recipe.steps,
+                                      seed=None if seed is None else rng.randrange(2**31))
+            model.fit(batches, epochs=1, verbose=verbose, shuffle=False)
+            runs.append(float(np.mean(np.clip(score_fn(model, x_val, y_val), 0.0, 1.0))))
+        scores[candidate] = float(np.mean(runs))
+    best = max(candidates, key=lambda c: scores[c])
+    return PublicSearchResult(best=best, scores=scores, noise_multiplier=recipe.noise_multiplier,
+                              batch_size=recipe.batch_size, steps=recipe.steps,
+                              l2_norm_clip=recipe.l2_norm_clip)
