@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PrivacyAccountant": "keras_dp_lm.callbacks",
     "PrivacyBudgetExhaustedError": "keras_dp_lm.accounting",
+    "PrivacyRefusalError": "keras_dp_lm.errors",
     "calibrate_noise_multiplier": "keras_dp_lm.accounting",
     "compute_epsilon": "keras_dp_lm.accounting",
     "max_steps": "keras_dp_lm.accounting",

@@ -156,6 +156,28 @@ def test_refused_model_is_reported_as_refused_with_weights_unchanged():
     assert "refused before any update" in str(report)
 
 
+class _RaisesOnSmallTrainingBatches(keras.layers.Layer):
+    """Raises a ValueError of its own in training on batches of at most 8 rows (audit
+    r38: check_privacy took it for the DP step's refusal and passed the model)."""
+
+    def call(self, x, training=None):
+        if training and x.shape[0] is not None and x.shape[0] <= 8:
+            raise ValueError("this layer needs more than 8 rows")
+        return x
+
+
+def test_a_models_own_error_fails_the_check_and_is_not_a_refusal():
+    model = _compile(keras.Sequential([keras.Input((4,)), _RaisesOnSmallTrainingBatches(),
+                                       keras.layers.Dense(2)]))
+    report = testing.check_privacy(model, _dense_batch(0, (6, 4), 2))
+    assert report.refused is None
+    assert not report.passed
+    assert "the model itself raised" in str(report) and "more than 8 rows" in str(report)
+    assert report.weights_unchanged
+    # the DP step's own refusals are their own type, and still ValueErrors
+    assert issubclass(kdp.PrivacyRefusalError, ValueError)
+
+
 def test_batch_norm_is_refused_at_compile():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
                               keras.layers.BatchNormalization(), keras.layers.Dense(2)])

@@ -90,6 +90,7 @@ from keras_dp_lm.clipping.rounding import accumulation_dtype
 from keras_dp_lm.clipping.rounding import squares_allowance
 from keras_dp_lm.clipping.rounding import sum_squares
 from keras_dp_lm.clipping.rounding import summed_terms_allowance
+from keras_dp_lm.errors import PrivacyRefusalError
 
 _LAST_DECISIONS = weakref.WeakKeyDictionary()
 _LAST_REASONS = weakref.WeakKeyDictionary()
@@ -198,8 +199,8 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
     rows = _static(losses.shape[0]) if losses.shape.rank else None
     B = rows if rows is not None else tf.shape(losses)[0]
     if k > 1 and rows is not None and rows % k:
-        raise ValueError(f"The batch has {rows} rows, not a multiple of "
-                         f"examples_per_user={k}.")
+        raise PrivacyRefusalError(f"The batch has {rows} rows, not a multiple of "
+                                  f"examples_per_user={k}.")
     units = B // k   # users (examples when k == 1): the rows of norms and factors
     batch = None if rows is None else units
     sq = tf.zeros([units], accumulation_dtype())

@@ -31,10 +31,12 @@ records (padding slots inside them) are compared and removed the same way;
 and a padding slot inside a real user, as well as whole padding users, must
 be inert.
 
-A model or batch the model itself cannot run raises as is; only an error of
-the DP step on its first call is reported as a refusal (a pass: nothing was
-updated). An error on a later call (another batch size, padding) fails the
-check: it could not finish.
+Only a :class:`~keras_dp_lm.errors.PrivacyRefusalError` of the DP step on
+its first call is reported as a refusal (a pass: nothing was updated). An
+error the model itself (or its loss) raises fails the check: a model that
+raises for some batch sizes may run, unchecked, on others in ``fit``. A
+refusal on a later call (another batch size, padding) fails the check too:
+it could not finish.
 
 Nothing is trained: the weights are never updated. The forward pass in
 training mode must be deterministic for (a) and (b) to be meaningful (set
@@ -50,12 +52,10 @@ import tensorflow as tf
 from keras_dp_lm import clipping
 from keras_dp_lm.data import attach_real_slots
 from keras_dp_lm.data import split_real_slots
+from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.optimizers import is_dp_optimizer
 from keras_dp_lm.training import dp_clipped_gradient
 from keras_dp_lm.training import per_example_losses
-
-_REFUSALS = (ValueError, TypeError, NotImplementedError)
-
 
 class _Refused(Exception):
     """The DP step refused the model (raised by the step, not by the checker)."""
@@ -63,6 +63,10 @@ class _Refused(Exception):
 
 class _Inconclusive(Exception):
     """The DP step raised after it had accepted the model (another batch shape)."""
+
+
+class _ModelError(Exception):
+    """The model (or its loss) raised an error that is not a refusal of the DP step."""
 
 
 def _batches(batches):
@@ -307,10 +311,18 @@ def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tole
             sample_weight = attach_real_slots(sample_weight, _slots(real, user_k))
         try:
             grads, norms, mask, rounding = clipped(x, y, sample_weight)
-        except _REFUSALS as error:  # only the DP step's own refusals count as refusals
+        except PrivacyRefusalError as error:  # only the DP step's own refusals count
             if accepted:
                 raise _Inconclusive(f"{type(error).__name__}: {error}") from error
             raise _Refused(f"{type(error).__name__}: {error}") from error
+        except (ValueError, TypeError, NotImplementedError) as error:
+            # the model's (or its loss's) own error: the check cannot vouch for a
+            # model it could not run, and fit may meet other batch sizes
+            if accepted:
+                raise _Inconclusive(f"{type(error).__name__}: {error}") from error
+            size = len(tf.nest.flatten(x)[0])
+            raise _ModelError(f"{type(error).__name__} on a batch of {size} rows: "
+                              f"{error}") from error
         accepted.append(True)
         # accumulation pads the batch to a multiple of its steps: keep real units
         norms, mask, rounding = norms.numpy(), mask.numpy(), rounding.numpy()
@@ -422,13 +434,17 @@ def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tole
             report.padding_inert = report.padding_inert and bool(np.array_equal(first, second))
     except _Refused as refusal:
         report.refused = str(refusal)
+    except _ModelError as error:
+        report.failures.append(
+            "the model itself raised (not a refusal of the DP step), so the check could "
+            f"not run it: {' '.join(str(error).split())[:300]}")
     except _Inconclusive as error:
         report.failures.append(
             "the DP step accepted this model, then raised on a batch of another size "
             f"or padding, so the check could not finish: {str(error).splitlines()[0][:300]}")
     after = [np.array(v.numpy()) for v in model.trainable_variables]
     report.weights_unchanged = all(np.array_equal(a, b) for a, b in zip(before, after))
-    if report.refused is None and not report.num_examples:
+    if report.refused is None and not report.num_examples and not report.failures:
         report.failures.append("no example was checked (empty batches)")
     if report.refused is None:
         coverage = clipping.clipping_coverage(model)

@@ -29,6 +29,7 @@ from keras_dp_lm.training.ledger import any_dp_trained
 from keras_dp_lm.training.ledger import dp_history
 from keras_dp_lm.training.ledger import is_dp_trained
 from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.errors import PrivacyRefusalError
 
 _NON_PRIVATE_REFUSED = (
     "keras_dp_lm refused to train: this model's privacy ledger holds {updates} DP "
@@ -220,7 +221,7 @@ def check_training_is_private(model, compiled_for_dp, callbacks=None, validation
             source = "private training examples (this fit has no validation_data)"
         else:
             continue
-        raise ValueError(
+        raise PrivacyRefusalError(
             f"keras_dp_lm refused the DP fit: {type(callback).__name__} acts on "
             f"'{monitor}', a value computed on {source} without noise. What it "
             "decides (stopping, the learning rate, the checkpoint kept) would depend "

@@ -18,6 +18,7 @@ from keras_dp_lm.training.keras_internals import get_keras_mask
 from keras_dp_lm.training.keras_internals import squeeze_or_expand_to_same_rank
 from keras_dp_lm.training.keras_internals import standardize_reduction
 from keras_dp_lm.training.keras_internals import tree
+from keras_dp_lm.errors import PrivacyRefusalError
 
 _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
 
@@ -48,12 +49,12 @@ def reduce_per_example(values, sample_weight=None, mask=None, reduction="sum_ove
     """
     reduction = standardize_reduction(reduction)
     if reduction in (None, "none"):
-        raise ValueError(
+        raise PrivacyRefusalError(
             "A DP optimizer needs a scalar loss per example; the compiled loss "
             "has reduction='none'. Use 'sum_over_batch_size' (the default)."
         )
     if mask is None and _normalises_by_length(values, sample_weight, reduction):
-        raise ValueError(
+        raise PrivacyRefusalError(
             "keras_dp_lm refused the loss: its per-example value is divided by the "
             f"padded length of the batch (values of shape {tuple(values.shape)}, "
             f"reduction={reduction!r}), which is unknown until the batch is built and "
@@ -106,7 +107,7 @@ def _resolve(path, structure):
 def _compiled_per_example_losses(model, y, y_pred, sample_weight):
     compile_loss = model._compile_loss
     if compile_loss is None:
-        raise ValueError(
+        raise PrivacyRefusalError(
             "The model was compiled without a loss. A DP optimizer derives "
             "per-example losses from the compiled loss: pass `loss=` to compile()."
         )
@@ -117,7 +118,7 @@ def _compiled_per_example_losses(model, y, y_pred, sample_weight):
         try:
             tree.assert_same_structure(y_pred, y)
         except (ValueError, TypeError) as error:
-            raise NotImplementedError(
+            raise PrivacyRefusalError(
                 "keras_dp_lm derives per-example losses for multi-output models "
                 "only when `y` has exactly the structure of the model's outputs."
             ) from error
@@ -171,9 +172,9 @@ def _check_per_example(values, reference, what):
            "the Loss class reduce), or define `compute_per_example_loss(x, y, "
            "y_pred, sample_weight)` on the model returning a [batch] tensor.")
     if values.shape.rank == 0:
-        raise ValueError(f"{what} returned a scalar: it reduces over the batch.{fix}")
+        raise PrivacyRefusalError(f"{what} returned a scalar: it reduces over the batch.{fix}")
     if batch is not None and values.shape[0] is not None and values.shape[0] != batch:
-        raise ValueError(
+        raise PrivacyRefusalError(
             f"{what} returned shape {tuple(values.shape)} for a batch of {batch}: its "
             f"leading axis is not the batch axis.{fix}")
     if batch is None or values.shape[0] is None:
@@ -212,7 +213,7 @@ def per_example_losses(model, x, y, y_pred, sample_weight=None):
         losses = custom(x, y, y_pred, sample_weight)
     else:
         if type(model).compute_loss is not Trainer.compute_loss:
-            raise NotImplementedError(
+            raise PrivacyRefusalError(
                 f"{type(model).__name__} overrides compute_loss(), so keras_dp_lm "
                 "cannot tell how each example contributes. Define "
                 "`compute_per_example_loss(x, y, y_pred, sample_weight)` returning "
@@ -220,7 +221,7 @@ def per_example_losses(model, x, y, y_pred, sample_weight=None):
             )
         losses = _compiled_per_example_losses(model, y, y_pred, sample_weight)
     if ops.ndim(losses) != 1:
-        raise ValueError(
+        raise PrivacyRefusalError(
             f"Per-example losses must have shape [batch], got {tuple(losses.shape)}"
             + (" from compute_per_example_loss" if custom is not None else "") + ".")
     reference = tree.flatten(y_pred)[0] if tree.is_nested(y_pred) else y_pred
@@ -228,7 +229,7 @@ def per_example_losses(model, x, y, y_pred, sample_weight=None):
                        + (" (compute_per_example_loss)" if custom is not None else ""))
     offenders = _data_dependent_losses(model)
     if offenders:
-        raise ValueError(
+        raise PrivacyRefusalError(
             "Layers " + ", ".join(offenders) + " added data-dependent losses "
             "(activity regularizers or add_loss on activations) during the "
             "forward pass. They mix examples and break the per-example "

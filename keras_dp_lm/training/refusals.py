@@ -32,6 +32,7 @@ import tensorflow as tf
 from keras_dp_lm.clipping.exact import tf_variable
 from keras_dp_lm.clipping.interface import clip_factors
 from keras_dp_lm.training import keras_internals as internals
+from keras_dp_lm.errors import PrivacyRefusalError
 
 _MIXING_LAYERS = tuple(getattr(keras.layers, name) for name in ("MixUp", "CutMix")
                        if hasattr(keras.layers, name))
@@ -49,28 +50,28 @@ def check_model(model):
     for layer in internals.flatten_layers(model):
         name = f"Layer '{layer.name}' ({type(layer).__name__})"
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            raise ValueError(
+            raise PrivacyRefusalError(
                 f"{name} normalises each example with statistics of the whole "
                 "batch: one example then changes every other example's gradient, "
                 "so per-example clipping bounds nothing. Replace it with "
                 "LayerNormalization or GroupNormalization, or freeze it "
                 "(layer.trainable = False).")
         if _MIXING_LAYERS and isinstance(layer, _MIXING_LAYERS):
-            raise ValueError(
+            raise PrivacyRefusalError(
                 f"{name} mixes examples of a batch into each other, so one "
                 "example reaches other examples' gradients. Apply it outside the "
                 "model to public data only, or remove it.")
         if isinstance(layer, _NORMALIZATIONS) and 0 in _axes(getattr(layer, "axis", -1)):
-            raise ValueError(
+            raise PrivacyRefusalError(
                 f"{name} normalises over axis 0, the batch axis, which mixes "
                 "examples. Normalise over feature axes only.")
         if getattr(layer, "stateful", False) and isinstance(layer, keras.layers.RNN):
-            raise ValueError(
+            raise PrivacyRefusalError(
                 f"{name} has stateful=True: its state carries one batch's data "
                 "into the next batches' forward passes, outside any clipped "
                 "gradient. Use stateful=False (pass initial states explicitly).")
         if getattr(layer, "activity_regularizer", None) is not None:
-            raise ValueError(
+            raise PrivacyRefusalError(
                 f"{name} has an activity_regularizer: a loss on activations is "
                 "not part of any single example's loss under Keras's batch "
                 "reduction. Remove it (weight regularizers are fine).")
@@ -163,7 +164,7 @@ def without_state_updates(model, forward):
         written = _written_variables(graph, graph.get_operations()[start:], placeholders)
     if written:
         names = ", ".join(sorted({getattr(v, "path", v.name) for v in written}))
-        raise ValueError(
+        raise PrivacyRefusalError(
             f"The training forward pass writes model variables ({names}). "
             "State updated from a batch carries that batch's data into later "
             "steps outside any clipped gradient (e.g. moving statistics, RNN "

@@ -46,6 +46,7 @@ from keras_dp_lm.training.losses import regularization_loss
 from keras_dp_lm.optimizers import is_dp_optimizer
 from keras_dp_lm.data import attach_real_slots
 from keras_dp_lm.data import split_real_slots
+from keras_dp_lm.errors import PrivacyRefusalError
 
 tree = internals.tree
 
@@ -150,7 +151,7 @@ def _unpack(data):
     else:
         mask = tf.convert_to_tensor(mask)
         if mask.shape.rank is None:
-            raise ValueError(
+            raise PrivacyRefusalError(
                 "The real-slot mask has an unknown rank (Keras relaxed the traced shapes "
                 "after batches of different kinds): a model trains on example batches "
                 "(mask [B]) or on user batches (mask [users, examples_per_user], one "
@@ -158,16 +159,16 @@ def _unpack(data):
         if mask.shape.rank == 2:
             per_user = mask.shape[1]
             if per_user is None:
-                raise ValueError(
+                raise PrivacyRefusalError(
                     "A user batch's real-slot mask [users, examples_per_user] needs a "
                     "static examples_per_user (keras_dp_lm.data.poisson_user_batches "
                     "gives one).")
         elif mask.shape.rank != 1:
-            raise ValueError(
+            raise PrivacyRefusalError(
                 f"The real-slot mask must be [B] (examples) or [users, "
                 f"examples_per_user]; got shape {tuple(mask.shape)}.")
         if per_user is not None and isinstance(size, int) and size % per_user:
-            raise ValueError(
+            raise PrivacyRefusalError(
                 f"A user batch with examples_per_user={per_user} has {size} rows, not "
                 "a multiple of it: its rows no longer line up with its users. Under "
                 "tf.distribute, pass num_replicas=strategy.num_replicas_in_sync to "
@@ -178,7 +179,7 @@ def _unpack(data):
         mask = tf.cast(tf.reshape(mask, [-1]) > 0, tf.float32)
         mask_size = mask.shape[0]
         if isinstance(size, int) and mask_size is not None and mask_size != size:
-            raise ValueError(
+            raise PrivacyRefusalError(
                 f"The batch has {size} slots but its real-slot mask has {mask_size}: "
                 "a preprocessing step changed the number of rows. keras_dp_lm "
                 "needs row-wise preprocessing (one output row per input row).")
@@ -464,7 +465,7 @@ def _probe_batch(model, data, spec=None):
         probe = probe.get_concrete_function(spec)
     ok, meaningful = probe(data)
     if not bool(ok):
-        raise ValueError(_MIXING_REFUSED)
+        raise PrivacyRefusalError(_MIXING_REFUSED)
     if bool(meaningful):
         state = refusals.probe_state(model)
         state.independence_checked.assign(1)
@@ -560,14 +561,14 @@ def dp_train_step(model, data):
     x, y, sample_weight, mask, rate, per_user = _unpack(data)
     unit = "user" if per_user is not None else "example"
     if per_user is not None and rate is None:
-        raise ValueError(
+        raise PrivacyRefusalError(
             "User batches (a [users, examples_per_user] real-slot mask) must carry the "
             "rate their users were Poisson-sampled at, so that the ledger and the "
             "accountant count users, never records: build them with "
             "keras_dp_lm.data.poisson_user_batches (or attach_real_slots(..., "
             "sampling_rate=q) with q the per-user inclusion probability).")
     if _has_real_slots(data) and optimizer.expected_batch_size is None:
-        raise ValueError(
+        raise PrivacyRefusalError(
             "These batches are padded (they carry a real-slot mask, e.g. from "
             "keras_dp_lm.data.poisson_batches), so the DP optimizer must divide "
             "by the expected batch size, never by the data-dependent number of real "
@@ -652,7 +653,7 @@ def _refuse_validation_names(logs):
                 names.append(name)
     names.sort()
     if names:
-        raise ValueError(
+        raise PrivacyRefusalError(
             f"keras_dp_lm refused the DP step: it would log {names}, values computed on "
             "private training examples, under names Keras uses for validation values. "
             "A callback or a reader of the history would take them for held-out values "
@@ -677,7 +678,7 @@ check_model_is_private_compatible = refusals.check_model
 def _check_train_step_not_overridden(model):
     step = type(model).train_step
     if step is not internals.TensorFlowTrainer.train_step:
-        raise TypeError(
+        raise PrivacyRefusalError(
             f"{type(model).__name__} overrides train_step(), so model.fit would "
             "bypass per-example clipping and noise. Remove the override (put "
             "custom losses in `compute_per_example_loss(x, y, y_pred, "
@@ -763,7 +764,7 @@ def _compile_with_dp_binding(self, *args, **kwargs):
     _original_compile(self, *args, **kwargs)
     own = self.__dict__
     if is_dp_optimizer(getattr(getattr(self, "optimizer", None), "inner_optimizer", None)):
-        raise ValueError(
+        raise PrivacyRefusalError(
             "Keras wrapped the DP optimizer in a LossScaleOptimizer (the "
             "'mixed_float16' policy). Dynamic loss scaling multiplies the loss before "
             "per-example clipping and skips or rescales updates, so the clipping bound "

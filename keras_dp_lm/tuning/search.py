@@ -5,7 +5,8 @@ best one, with the privacy of the *whole* search (every trial's training, every
 trial's noisy validation score, the selection) charged to one budget by
 private selection (Papernot & Steinke 2022; :mod:`keras_dp_lm.accounting.selection`):
 
-1. The private records are split at random into training and validation parts.
+1. The private records are split at random into training and validation parts
+   (each record held out independently with probability ``validation_fraction``).
 2. The number of trials ``K`` is drawn, independently of the data, from a
    truncated negative binomial distribution of mean ``mean_trials``.
 3. Each trial draws a candidate (learning rate, what to train) uniformly at
@@ -187,10 +188,16 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         raise ValueError(f"`validation_fraction` must be in (0, 1), got {validation_fraction}.")
     n = _num_rows((x, y))
     rng = random.SystemRandom() if seed is None else random.Random(seed)
-    order = np.array(rng.sample(range(n), n))
-    n_val = max(1, int(round(validation_fraction * n)))
-    val_index, train_index = np.sort(order[:n_val]), np.sort(order[n_val:])
-    n_train = len(train_index)
+    # Each record joins the validation part on its own coin (not a fixed-size
+    # subset): a record added to the data then lands in exactly one part and
+    # leaves every other record where it was, so each trial is the composition
+    # of DP-SGD on one part and the noisy score on the other (add/remove-one).
+    held_out = held_out_coins(n, validation_fraction, rng)
+    val_index, train_index = np.flatnonzero(held_out), np.flatnonzero(~held_out)
+    n_val, n_train = len(val_index), len(train_index)
+    if not n_val or not n_train:
+        raise ValueError(f"The random split left {n_val} validation and {n_train} training "
+                         "records: use more records or another `validation_fraction`.")
     if score_noise_multiplier is None:
         score_noise_multiplier = default_score_noise(target_epsilon, delta, mean_trials,
                                                      shape, n_val)
@@ -262,6 +269,20 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         steps=steps, l2_norm_clip=l2_norm_clip, mean_trials=float(mean_trials),
         shape=float(shape), validation_size=n_val,
         score_noise_multiplier=float(score_noise_multiplier))
+
+
+def held_out_coins(n, fraction, rng):
+    """``[n]`` bools: record ``i`` is held out with probability ``fraction``, on its
+    own coin (the ``i``-th draw of ``rng``).
+
+    Example:
+        >>> import random
+        >>> a = held_out_coins(5, 0.5, random.Random(0))
+        >>> b = held_out_coins(6, 0.5, random.Random(0))
+        >>> bool((a == b[:5]).all())   # one more record moves no other record
+        True
+    """
+    return np.array([rng.random() < fraction for _ in range(n)], bool)
 
 
 def default_score_noise(target_epsilon, delta, mean_trials, shape, validation_size):
