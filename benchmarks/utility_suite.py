@@ -63,7 +63,8 @@ PROXY = {"rotten_tomatoes": "shakespeare_genre_2000",
          "rotten_tomatoes_3000": "shakespeare_genre_2000",
          "shakespeare_genre_2000": "rotten_tomatoes_3000",
          "fortunes_6": "fortunes_5b", "fortunes_6_1000": "fortunes_5b",
-         "fortunes_5b": "fortunes_6"}
+         "fortunes_5b": "fortunes_6", "fortunes_4c": "fortunes_6",
+         "shakespeare_history_2000": "shakespeare_genre_2000"}
 NON_PRIVATE_RATES = (1e-3, 3e-3, 1e-2, 3e-2)
 EPSILONS = (3.0, 8.0)
 DELTA = 1e-6
@@ -266,12 +267,26 @@ def main(argv=None):
     parser.add_argument("--lm", action="store_true",
                         help="also the demo LM rows (record- and speaker-level, ~8 min)")
     parser.add_argument("--output", default=None, help="also write the rows as JSON")
+    parser.add_argument("--from-json", nargs="*", default=None, metavar="FILE",
+                        help="render (and write) the rows of earlier runs' --output files "
+                             "instead of running")
     parser.add_argument("--no-write", action="store_true",
                         help="do not write benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
+    if args.from_json:
+        rows = [row for path in args.from_json for row in json.load(open(path))]
+        probe = [r for r in rows if "non_private" in r]
+        text = markdown(probe, len(probe[0]["eps3"]["search"]))
+        lm_rows = [r for r in rows if "ratio" in r]
+        if lm_rows:
+            text += "\n" + lm_markdown(lm_rows)
+        print(text)
+        if not args.no_write:
+            write_section("utility_suite", text)
+        return
     utility_tasks.build_cache(args.data_dir)
     rows = [run_task(name, args.data_dir, args.repeats) for name in args.tasks]
-    text = markdown(rows, args.repeats)
+    text = markdown(rows, args.repeats) if rows else ""
     if args.lm:
         lm_rows = [run_lm(args.data_dir, unit) for unit in ("record", "speaker")]
         print(json.dumps(lm_rows), flush=True)

@@ -20,6 +20,13 @@ only with it (no choice was made on them):
 
 * ``fortunes_5b``: five other ``fortunes`` files (people, definitions, cookie,
   wisdom, zippy), 70/15/15 seeded split.
+* ``fortunes_4c`` (second held-out round, defined before the head rule's
+  epochs were revisited on the tuning tasks): four other ``fortunes`` files (art,
+  linux, platitudes, startrek), 70/15/15 seeded split.
+* ``shakespeare_history_2000`` (second round): a history (Henry IV part 1, Henry
+  V, Richard II, Richard III) or a comedy (The Taming of the Shrew, The Merchant
+  of Venice, The Two Gentlemen of Verona, The Merry Wives of Windsor)? As
+  ``shakespeare_genre_2000``.
 * ``shakespeare_genre_2000``: is a passage (at most 200 characters, at least 40)
   from a comedy (As You Like It, Twelfth Night, Much Ado, A Midsummer Night's
   Dream) or a tragedy (Hamlet, Macbeth, Othello, Lear)? 70/15/15 seeded split,
@@ -40,15 +47,22 @@ FORTUNE_TOPICS_B = ("people", "definitions", "cookie", "wisdom", "zippy")
 COMEDIES = ("as_you_like_it", "twelfth_night", "much_ado_about_nothing",
             "midsummer_nights_dream")
 TRAGEDIES = ("hamlet", "macbeth", "othello", "lear")
+FORTUNE_TOPICS_C = ("art", "linux", "platitudes", "startrek")
+HISTORIES = ("henry_iv_part_1", "henry_v", "richard_ii", "richard_iii")
+COMEDIES_B = ("taming_of_the_shrew", "merchant_of_venice", "two_gentlemen_of_verona",
+              "merry_wives_of_windsor")
 TUNING_TASKS = ("rotten_tomatoes", "rotten_tomatoes_3000", "fortunes_6", "fortunes_6_1000")
-HELD_OUT_TASKS = ("fortunes_5b", "shakespeare_genre_2000")
+HELD_OUT_TASKS = ("fortunes_5b", "shakespeare_genre_2000", "fortunes_4c",
+                  "shakespeare_history_2000")
 TASKS = TUNING_TASKS + HELD_OUT_TASKS
 # task -> (feature source, seeded train subset size or None)
 _SOURCES = {"rotten_tomatoes": ("rotten_tomatoes", None),
             "rotten_tomatoes_3000": ("rotten_tomatoes", 3000),
             "fortunes_6": ("fortunes_6", None), "fortunes_6_1000": ("fortunes_6", 1000),
             "fortunes_5b": ("fortunes_5b", None),
-            "shakespeare_genre_2000": ("shakespeare_genre", 2000)}
+            "shakespeare_genre_2000": ("shakespeare_genre", 2000),
+            "fortunes_4c": ("fortunes_4c", None),
+            "shakespeare_history_2000": ("shakespeare_history", 2000)}
 SEQUENCE_LENGTH = 64
 
 
@@ -86,13 +100,13 @@ def _fortunes_texts(data_dir, topics=FORTUNE_TOPICS):
     return _labelled([quotes[topic] for topic in topics])
 
 
-def _shakespeare_genre_texts(data_dir):
+def _shakespeare_texts(data_dir, genres=(COMEDIES, TRAGEDIES)):
     from keras_dp_lm import corpora
 
     plays = corpora.load_shakespeare_plays(data_dir)
     return _labelled([
         [r for name in genre for r in corpora.text_records(plays[name], 200, 40)]
-        for genre in (COMEDIES, TRAGEDIES)])
+        for genre in genres])
 
 
 def _encoder():
@@ -128,7 +142,10 @@ def build_cache(data_dir):
     for source, loader in (
             ("rotten_tomatoes", _rotten_tomatoes_texts), ("fortunes_6", _fortunes_texts),
             ("fortunes_5b", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_B)),
-            ("shakespeare_genre", _shakespeare_genre_texts)):
+            ("shakespeare_genre", _shakespeare_texts),
+            ("fortunes_4c", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_C)),
+            ("shakespeare_history",
+             lambda d: _shakespeare_texts(d, (HISTORIES, COMEDIES_B)))):
         path = cache_path(data_dir, source)
         paths.append(path)
         if path.exists():

@@ -25,12 +25,14 @@ def test_custom_layer_rule_example_runs(block):
 
 
 @pytest.mark.slow
-def test_private_search_quick_start_runs_as_written():
-    block = next(b for b in BLOCKS if "tuning.private_search" in b)
-    result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
-                            timeout=600)
+def test_head_quick_start_and_the_search_run_as_written():
+    head = next(b for b in BLOCKS if 'trainable="head"' in b)
+    search = next(b for b in BLOCKS if "tuning.private_search" in b)
+    # the search block continues the head block (it reuses its features)
+    result = subprocess.run([sys.executable, "-c", head + "\n" + search],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "spends epsilon" in result.stdout
     accuracy, epsilon = re.search(r"test accuracy ([\d.]+) at epsilon ([\d.]+)",
                                   result.stdout).groups()
     assert float(epsilon) <= 3.0 and float(accuracy) > 0.5
+    assert "trainable='head'" in result.stdout and "spends epsilon" in result.stdout

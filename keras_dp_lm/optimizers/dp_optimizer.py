@@ -28,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp_lm.clipping.interface import sum_dtype
+from keras_dp_lm.errors import PrivacyRefusalError
 
 CLIPPING_METHODS = ("auto", "fast", "exact")
 _KERAS_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
@@ -250,11 +251,23 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Std of the noise each replica adds so that the sum has ``sigma * C``."""
         return self.noise_multiplier * self.l2_norm_clip / math.sqrt(num_replicas)
 
+    def drop_noise_seed(self):
+        """Forget the noise seed. Whoever holds this optimizer object can otherwise
+        regenerate every noise draw it added and subtract it from the model's
+        weights and Adam's moments: drop it before the object (not a saved file,
+        which never holds a seed drawn from OS entropy) leaves your hands. The
+        optimizer then refuses further updates; compile with a new one."""
+        self._noise_seed = None
+
     def _noise_like(self, grads, replica_id, num_replicas, update_index):
         """Gaussian noise for each of ``grads``, from the seed folded with
         ``update_index`` (the model's ledger count: a recompiled optimizer with
         the same ``seed`` continues the sequence, it never replays it) and the
         replica."""
+        if self._noise_seed is None:
+            raise PrivacyRefusalError(
+                "This DP optimizer's noise seed was dropped (drop_noise_seed): it cannot "
+                "noise another update. Compile the model with a new DP optimizer.")
         seed = tf.constant([self._noise_seed >> 31, self._noise_seed & 0x7FFFFFFF],
                            dtype=tf.int64)
         seed = tf.random.experimental.stateless_fold_in(

@@ -28,6 +28,7 @@ _check_version(keras.__version__)
 # pylint: disable=wrong-import-position
 from keras.src import tree  # noqa: E402
 from keras.src.backend import get_keras_mask  # noqa: E402
+from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: E402
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank  # noqa: E402
 from keras.src.losses.loss import standardize_reduction  # noqa: E402
@@ -36,6 +37,8 @@ from keras.src.trainers.trainer import Trainer  # noqa: E402
 
 __all__ = [
     "KerasSaveable",
+    "name_counters",
+    "restore_name_counters",
     "TensorFlowTrainer",
     "Trainer",
     "get_keras_mask",
@@ -77,3 +80,17 @@ def epoch_iterator_element_spec(iterator):
     dataset would draw from it)."""
     dataset = getattr(iterator, "_distributed_dataset", None)
     return getattr(dataset, "element_spec", None)
+
+
+def name_counters():
+    """A copy of Keras's auto-name counters (what makes the next Dense ``dense_3``)."""
+    uids = global_state.get_global_attribute("object_name_uids", default=None)
+    return {} if uids is None else dict(uids)
+
+
+def restore_name_counters(counters):
+    """Set Keras's auto-name counters back to ``counters`` (from :func:`name_counters`)."""
+    import collections
+
+    global_state.set_global_attribute("object_name_uids",
+                                      collections.defaultdict(int, counters))

@@ -16,7 +16,10 @@ private selection (Papernot & Steinke 2022; :mod:`keras_dp_lm.accounting.selecti
    (sensitivity 1).
 4. The trial with the best noisy score is released: its model, candidate and
    noisy score. Nothing else (how many trials ran, the other scores) is, since
-   the bound covers the best alone.
+   the bound covers the best alone: every trial's objects get the same Keras
+   auto-names, and the released model carries neither its optimizer's noise
+   seed nor its training loss (history, metrics). The run time and any
+   ``verbose`` output do reveal the number of trials: keep them to yourself.
 
 Every trial uses the same noise multiplier, sampling rate and steps, calibrated
 so the whole search meets ``target_epsilon`` at ``delta``; after each trial the
@@ -80,8 +83,8 @@ class SearchResult:
         candidate: its :class:`Candidate`.
         score: its noisy validation score, as a fraction of the validation part.
         epsilon: the whole search's epsilon at :attr:`delta` (RDP accountant).
-        delta: the delta it was computed at (the target delta minus the
-            reserve for a Poisson overflow).
+        delta: the search's total delta (its epsilon is computed at this delta
+            minus a thousandth reserved for a Poisson draw above a trial's cap).
         dp_event: the search's ``RepeatAndSelectDpEvent``, to compose with
             later releases about the same data.
         noise_multiplier, sampling_rate, steps, l2_norm_clip: every trial's.
@@ -114,7 +117,8 @@ class SearchResult:
                 f"Released: learning rate {self.candidate.learning_rate:g}, trainable "
                 f"{self.candidate.trainable!r}, noisy validation score {self.score:.4f}. "
                 f"The whole search spends epsilon {self.epsilon:.3f} at delta "
-                f"{self.delta:.3g} (Papernot & Steinke 2022, dp_accounting RDP).")
+                f"{self.delta:.3g} (Papernot & Steinke 2022, dp_accounting RDP; a "
+                "thousandth of delta covers a Poisson draw above a trial's cap).")
 
 
 def _accuracy(model, x, y):
@@ -147,7 +151,11 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
 
     Args:
         build_model: ``build_model(candidate) -> keras.Model``, a fresh,
-            uncompiled model each call, with the candidate's layers trainable.
+            uncompiled model each call, with the candidate's layers trainable,
+            built from public information only: no private data (no
+            ``Normalization.adapt`` on it), nothing from an earlier trial (no
+            weights copied from it). Weights that already received DP updates
+            are refused; other links between trials are yours to avoid.
         x, y: the private records (arrays, or nests of arrays, with N rows) and
             their labels.
         target_epsilon, delta: the budget of the whole search.
@@ -160,7 +168,9 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         l2_norm_clip: C.
         validation_fraction: the share of the records held out to score trials.
         score_fn: ``score_fn(model, x_val, y_val) -> per-example scores``,
-            clipped to [0, 1] (higher is better); default: accuracy of the argmax.
+            clipped to [0, 1] (higher is better; NaN counts 0); default: accuracy
+            of the argmax. Each example's score must depend on that example
+            alone (and the model): the noise is calibrated to sensitivity 1.
         score_noise_multiplier: std of the noise on the summed score; default
             :func:`default_score_noise` (about one point of accuracy, more on a
             small validation part or a small budget).
@@ -179,6 +189,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     from keras_dp_lm.callbacks import PrivacyAccountant
     from keras_dp_lm.data import poisson_batches
     from keras_dp_lm.optimizers import DPAdam
+    from keras_dp_lm.training import keras_internals
     from keras_dp_lm.training.ledger import ledger_of
 
     candidates = list(candidates)
@@ -230,8 +241,13 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     score_fn = score_fn or _accuracy
 
     best = None
+    # Every trial's objects get the auto-names the first trial's got (Keras numbers
+    # them: `dense_3`), so the released model's names say nothing of which trial
+    # won or how many ran; afterwards the counters stand as after one trial.
+    names_before, names_after = keras_internals.name_counters(), None
     for _ in range(count.sample(seed=None if seed is None else rng.random())):
         candidate = candidates[rng.randrange(len(candidates))]
+        keras_internals.restore_name_counters(names_before)
         model = build_model(candidate)
         if ledger_of(model).updates:
             raise ValueError(
@@ -249,8 +265,11 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         accountant = PrivacyAccountant(target_epsilon=trial_epsilon * (1 + 1e-6),
                                        delta=search_delta, batches=batches, verbose=0)
         model.fit(batches, epochs=1, callbacks=[accountant], verbose=verbose, shuffle=False)
+        names_after = names_after or keras_internals.name_counters()
         _check_applied(ledger_of(model), sigma, q, steps)
-        per_example = np.clip(np.asarray(score_fn(model, x_val, y_val), "float64"), 0.0, 1.0)
+        # NaN counts 0 and infinities clip: each example moves the sum by at most 1
+        per_example = np.clip(np.nan_to_num(np.asarray(score_fn(model, x_val, y_val), "float64"),
+                                            nan=0.0, posinf=1.0, neginf=0.0), 0.0, 1.0)
         if per_example.shape != (n_val,):
             raise ValueError(f"`score_fn` must return one score per validation example "
                              f"({n_val}), got shape {per_example.shape}.")
@@ -261,14 +280,28 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
             best = (noisy, candidate, model)
         else:
             del model
+    if names_after is not None:
+        keras_internals.restore_name_counters(names_after)
     if best is None:  # only a Poisson trial count draws K = 0
         raise RuntimeError("The search drew no trial (Poisson K = 0): nothing is released.")
+    released = best[2]
+    _forget_training_traces(released)
     return SearchResult(
-        model=best[2], candidate=best[1], score=float(best[0]), epsilon=spent,
-        delta=search_delta, dp_event=event, noise_multiplier=sigma, sampling_rate=q,
+        model=released, candidate=best[1], score=float(best[0]), epsilon=spent,
+        delta=float(delta), dp_event=event, noise_multiplier=sigma, sampling_rate=q,
         steps=steps, l2_norm_clip=l2_norm_clip, mean_trials=float(mean_trials),
         shape=float(shape), validation_size=n_val,
         score_noise_multiplier=float(score_noise_multiplier))
+
+
+def _forget_training_traces(model):
+    """What the released object would leak beyond its weights: the optimizer's
+    noise seed (the noise could be regenerated and subtracted), the trial's
+    un-noised training loss (``model.history``, the metrics' running means)."""
+    model.optimizer.drop_noise_seed()
+    model.history = None
+    for metric in model.metrics:
+        metric.reset_state()
 
 
 def held_out_coins(n, fraction, rng):
