@@ -238,24 +238,35 @@ def markdown(rows, repeats):
         "trainable='head')`. *Search*: "
         "`tuning.private_search` over the probe's rates, the whole search at the row's "
         "epsilon. *Public proxy*: the recipe's noise with the rate `tuning.public_search` "
-        "found on another task (n/a: that task is smaller than the private batch). Gap: "
-        "search mean minus the best non-private probe. Tasks marked * are held out: added "
-        "after the procedure was fixed, run once.",
+        "found on another task (n/a: that task is smaller than the private batch). Gaps: "
+        "the head rule's and the search's means minus the best non-private probe, in points. "
+        "Tasks marked * are held out: added after the procedure was fixed, run once.",
         "",
         "| task | N train | classes | majority | non-private probe (rate) | eps | DP recipe "
-        "| DP head rule | DP public proxy | DP search | gap (points) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| DP head rule | DP public proxy | DP search | gap: head rule | gap: search |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         npv = row["non_private"]
         for eps in EPSILONS:
             cell = row[f"eps{eps:g}"]
             gap = np.mean([r["test"] for r in cell["search"]]) * 100 - npv["test"] * 100
+            head_gap = np.mean([r["test"] for r in cell["head"]]) * 100 - npv["test"] * 100
             lines.append(
                 f"| {row['task']}{' *' if row.get('held_out') else ''} | {row['train_size']} | {row['classes']} | "
                 f"{row['majority_test'] * 100:.1f}% | {npv['test'] * 100:.1f}% "
                 f"({npv['learning_rate']:g}) | {eps:g} | {_cell(cell['recipe'])} | "
-                f"{_cell(cell['head'])} | {_cell(cell['proxy'])} | {_cell(cell['search'])} | {gap:+.1f} |")
+                f"{_cell(cell['head'])} | {_cell(cell['proxy'])} | {_cell(cell['search'])} | {head_gap:+.1f} | {gap:+.1f} |")
+    for eps in EPSILONS:
+        gaps = {row["task"]: np.mean([r["test"] for r in row[f"eps{eps:g}"]["head"]]) * 100
+                - row["non_private"]["test"] * 100 for row in rows}
+        misses = {t: g for t, g in gaps.items() if g < -3.0}
+        lines.append("")
+        lines.append(f"Epsilon {eps:g}: the head rule is within 3 points of the best "
+                     f"non-private probe on {len(gaps) - len(misses)} of {len(gaps)} tasks "
+                     f"(gaps {max(gaps.values()):+.1f} to {min(gaps.values()):+.1f})"
+                     + (": misses " + ", ".join(f"{t} {g:+.1f}" for t, g in misses.items())
+                        if misses else "") + ".")
     return "\n".join(lines)
 
 

@@ -145,3 +145,21 @@ def test_the_released_model_carries_no_trace_of_the_other_trials_or_the_noise():
         make_builder([]), x, y, target_epsilon=4.0, delta=1e-5, epochs=2.0, min_steps=5,
         candidates=[tuning.Candidate(0.1)], mean_trials=1.0, seed=0, score_fn=nan_scores)
     assert np.isfinite(scored.score)
+
+
+def test_a_trial_warm_started_from_an_earlier_trial_is_refused():
+    x, y = toy(300)
+    previous = []
+
+    def warm(candidate):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        if previous:
+            model.set_weights(previous[-1].get_weights())
+        previous.append(model)
+        return model
+
+    with pytest.raises(ValueError, match="earlier trial trained"):
+        tuning.private_search(warm, x, y, target_epsilon=4.0, delta=1e-5, epochs=2.0,
+                              min_steps=5, candidates=[tuning.Candidate(0.1)],
+                              mean_trials=6.0, seed=1)
+    assert len(previous) >= 2

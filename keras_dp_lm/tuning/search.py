@@ -21,6 +21,10 @@ private selection (Papernot & Steinke 2022; :mod:`keras_dp_lm.accounting.selecti
    seed nor its training loss (history, metrics). The run time and any
    ``verbose`` output do reveal the number of trials: keep them to yourself.
 
+As everywhere in this package, the number of records (and here the sizes of
+the two parts) is treated as public: the guarantee is add/remove-one with the
+dataset size known.
+
 Every trial uses the same noise multiplier, sampling rate and steps, calibrated
 so the whole search meets ``target_epsilon`` at ``delta``; after each trial the
 model's ledger is checked against them, so what is reported is what was applied.
@@ -175,8 +179,10 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
             :func:`default_score_noise` (about one point of accuracy, more on a
             small validation part or a small budget).
         micro_batch_size: gradient accumulation's micro-batch (memory only).
-        seed: for tests only: fixes the split, the trial count, the candidates
-            and the Poisson draws. ``None`` draws them from OS entropy.
+        seed: for tests only: fixes the split, the trial count, the candidates,
+            the Poisson draws and the noise, so the result is NOT private (the
+            trials' noise seeds are written into saved files). ``None`` draws
+            them all from OS entropy.
 
     Returns:
         A :class:`SearchResult`.
@@ -245,10 +251,16 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     # them: `dense_3`), so the released model's names say nothing of which trial
     # won or how many ran; afterwards the counters stand as after one trial.
     names_before, names_after = keras_internals.name_counters(), None
+    trained = set()  # digests of every trial's trained weights
     for _ in range(count.sample(seed=None if seed is None else rng.random())):
         candidate = candidates[rng.randrange(len(candidates))]
         keras_internals.restore_name_counters(names_before)
         model = build_model(candidate)
+        if _digests(model) & trained:
+            raise ValueError(
+                "`build_model` returned a model that starts from weights an earlier trial "
+                "trained: the trials must be independent runs (Papernot & Steinke), each "
+                "from public or fresh weights. Build every trial from scratch.")
         if ledger_of(model).updates:
             raise ValueError(
                 f"`build_model` returned a model whose weights already received "
@@ -266,6 +278,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
                                        delta=search_delta, batches=batches, verbose=0)
         model.fit(batches, epochs=1, callbacks=[accountant], verbose=verbose, shuffle=False)
         names_after = names_after or keras_internals.name_counters()
+        trained |= _digests(model)
         _check_applied(ledger_of(model), sigma, q, steps)
         # NaN counts 0 and infinities clip: each example moves the sum by at most 1
         per_example = np.clip(np.nan_to_num(np.asarray(score_fn(model, x_val, y_val), "float64"),
@@ -292,6 +305,15 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         steps=steps, l2_norm_clip=l2_norm_clip, mean_trials=float(mean_trials),
         shape=float(shape), validation_size=n_val,
         score_noise_multiplier=float(score_noise_multiplier))
+
+
+def _digests(model):
+    """Digests of the model's trainable weights (bytes), to tell a trial that starts
+    from an earlier trial's trained weights (copied with ``set_weights``)."""
+    import hashlib
+
+    return {hashlib.sha256(np.ascontiguousarray(v.numpy()).tobytes()).hexdigest()
+            for v in model.trainable_variables if np.any(v.numpy())}
 
 
 def _forget_training_traces(model):
