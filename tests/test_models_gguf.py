@@ -172,3 +172,13 @@ def test_smollm2_reads_as_english():
     assert 2.0 < perplexity < 22.0, perplexity
     continuation = lm.generate("The capital of France is", max_length=12)
     assert "Paris" in continuation, continuation
+
+
+def test_without_the_gguf_extra_the_loader_names_the_install(monkeypatch, tmp_path):
+    import sys
+
+    from keras_dp_lm.models.gguf import GGUFCheckpoint
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` now fails
+    with pytest.raises(ImportError, match=r'keras-dp-lm\[gguf\]'):
+        GGUFCheckpoint(tmp_path / "model.gguf")

@@ -59,8 +59,7 @@ class GGUFCheckpoint:
     """
 
     def __init__(self, path):
-        import gguf
-
+        gguf = _gguf()
         self.path = str(path)
         self._reader = gguf.GGUFReader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
@@ -76,8 +75,7 @@ class GGUFCheckpoint:
 
     def tensor(self, name):
         """The tensor ``name`` dequantized to float32, in numpy (``[out, in]``) order."""
-        import gguf
-
+        gguf = _gguf()
         t = self._tensors.get(name)
         if t is None:
             raise KeyError(f"{self.path} has no tensor {name!r}")
@@ -191,6 +189,17 @@ class GGUFCheckpoint:
             for variable, value, name in parts:
                 put(variable, value, b + name)
         return backbone
+
+
+def _gguf():
+    """PyPI ``gguf``, an optional dependency (``pip install "keras-dp-lm[gguf]"``)."""
+    try:
+        import gguf
+    except ImportError as error:
+        raise ImportError(
+            "Reading GGUF checkpoints needs the optional `gguf` package: "
+            'pip install "keras-dp-lm[gguf]" (or pip install "gguf==0.19.0").') from error
+    return gguf
 
 
 def load_gguf_causal_lm(path, sequence_length=256, dtype=None, start_token=None,
