@@ -59,19 +59,18 @@ _EXPORTS = {
 }
 _SUBMODULES = ("accounting", "callbacks", "data", "evaluation", "optimizers", "samplers",
                "testing", "tokenizers", "training", "tuning")
-_DEPRECATED_SUBMODULES = {"sampling": "data", "vocab": "tokenizers", "generation": "samplers"}
 # Modules that register Keras objects or patch Keras: imported as soon as Keras is.
 _KERAS_MODULES = ("keras_dp_lm.training", "keras_dp_lm.optimizers",
                   "keras_dp_lm.samplers", "keras_dp_lm.tokenizers")
 
-__all__ = sorted(list(_EXPORTS) + list(_SUBMODULES) + list(_DEPRECATED_SUBMODULES))
+__all__ = sorted(list(_EXPORTS) + list(_SUBMODULES))
 
 
 def __getattr__(name):
     _activate_if_pending()
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES or name in _DEPRECATED_SUBMODULES:
+    elif name in _SUBMODULES:
         value = importlib.import_module(f"keras_dp_lm.{name}")
     else:
         raise AttributeError(f"module 'keras_dp_lm' has no attribute {name!r}")

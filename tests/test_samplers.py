@@ -10,7 +10,6 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
-from deprecated_paths import check_moved_module
 from keras_dp_lm import samplers, testing
 from keras_dp_lm.samplers import (BudgetExhaustedError, DecodingBudget, DPSampler,
                                   epsilon_per_sequence, epsilon_per_token,
@@ -559,6 +558,3 @@ def test_nan_probabilities_never_give_an_out_of_range_token(jit):
     tokens = np.asarray(step(tf.constant(np.full((4096, 8), np.nan, "float32"))))
     assert tokens.min() >= 0 and tokens.max() <= 7
 
-
-def test_old_generation_path_warns_and_gives_the_same_objects():
-    check_moved_module("keras_dp_lm.generation", "keras_dp_lm.samplers")

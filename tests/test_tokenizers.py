@@ -16,7 +16,6 @@ import keras_hub
 import tensorflow as tf
 
 from keras_dp_lm import corpora
-from deprecated_paths import check_moved_module
 from keras_dp_lm import tokenizers as V
 from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize_python
 
@@ -615,9 +614,6 @@ def test_release_count_survives_save_reload_and_config(plays, tmp_path):
     legacy.load_assets(tmp_path / "assets")
     assert legacy.is_adapted and legacy.num_releases == 1
 
-
-def test_old_vocab_path_warns_and_gives_the_same_objects():
-    check_moved_module("keras_dp_lm.vocab", "keras_dp_lm.tokenizers")
 
 
 def test_released_histogram_order_does_not_reveal_first_appearance():
