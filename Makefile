@@ -52,6 +52,7 @@ bench: install data
 	$(PY) benchmarks/bench_vocab.py
 	$(PY) benchmarks/bench_sampler.py
 	$(PY) benchmarks/dp_decoding_utility.py
+	$(PY) benchmarks/utility_suite.py --data-dir $(DATA) --lm
 
 clean:
 	rm -rf $(VENV) $(DATA) demo_output

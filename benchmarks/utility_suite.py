@@ -1,7 +1,8 @@
 """Utility suite: DP against non-private on labelled tasks, one fixed procedure.
 
-    python benchmarks/utility_suite.py --data-dir data           # every row (~10 min)
-    python benchmarks/utility_suite.py --tasks fortunes_6 --repeats 1
+    python benchmarks/utility_suite.py --data-dir data --lm      # every row (~35 min)
+    python benchmarks/utility_suite.py --tasks fortunes_6 --repeats 1   # one task, ~1 min
+    python benchmarks/utility_suite.py --from-json benchmarks/utility_suite.json  # re-render
 
 The procedure was fixed before any result was looked at, and no task is tuned by
 hand. For each task of :mod:`utility_tasks` (frozen MiniLM sentence features; the
