@@ -347,7 +347,7 @@ def test_a_dp_model_no_longer_used_is_garbage_collected():
     import gc
     import weakref
 
-    from keras_dp_lm import sampling
+    from keras_dp_lm import data as sampling
 
     def trained():
         model = _dense_model()
