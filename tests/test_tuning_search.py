@@ -135,8 +135,12 @@ def test_the_released_model_carries_no_trace_of_the_other_trials_or_the_noise():
     assert after not in names and after != built[0][1].name
     with pytest.raises(kdp.PrivacyRefusalError, match="noise seed was dropped"):
         result.model.optimizer._noise_like([np.zeros(2, "float32")], 0, 1, 0)
+    assert result.model.train_function is None  # its graph held the seed as a constant
     assert result.model.history is None
     assert all(float(v) == 0.0 for m in result.model.metrics for v in m.variables)
+    # a fit retraces (the traced function is gone) and meets the dropped seed
+    with pytest.raises(kdp.PrivacyRefusalError, match="noise seed was dropped"):
+        result.model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)
 
     def nan_scores(model, xv, yv):
         return np.full(len(yv), np.nan)

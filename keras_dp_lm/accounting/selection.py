@@ -55,7 +55,7 @@ from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import make_accountant
 
 __all__ = ["TrialCount", "selection_event", "selection_epsilon", "trial_event",
-           "calibrate_search_noise"]
+           "calibrate_search_noise", "calibrate_score_noise"]
 
 POISSON = math.inf
 # Bisection tolerance on gamma (relative), as dp_accounting's.
@@ -206,6 +206,22 @@ def selection_epsilon(trial, delta, mean_trials, shape=1.0):
     return float(acc.get_epsilon(delta))
 
 
+def _smallest_noise(make_event, target_epsilon, delta, guess, rtol):
+    """The smallest noise multiplier (within ``rtol``) whose event spends at most
+    ``target_epsilon``: dp_accounting's own solver on a fresh RDP accountant,
+    with the answer checked once more by another fresh accountant."""
+    sigma = float(dp_accounting.calibrate_dp_mechanism(
+        lambda: make_accountant("rdp"), make_event, target_epsilon, delta,
+        bracket_interval=dp_accounting.LowerEndpointAndGuess(0.0, guess),
+        tol=rtol * guess / 4))
+    for _ in range(100):  # the solver's tolerance is in sigma: step to the safe side
+        acc = make_accountant("rdp")
+        if acc.compose(make_event(sigma)).get_epsilon(delta) <= target_epsilon:
+            return sigma
+        sigma *= 1 + rtol / 8
+    raise RuntimeError("Noise calibration failed to meet the target epsilon.")
+
+
 def calibrate_search_noise(target_epsilon, delta, sampling_rate, steps, mean_trials,
                            shape=1.0, score_noise_multiplier=None, rtol=1e-3):
     """The smallest training noise multiplier (within ``rtol``) for which a search
@@ -225,28 +241,48 @@ def calibrate_search_noise(target_epsilon, delta, sampling_rate, steps, mean_tri
         True
     """
     target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
+    delta = check_delta(delta)
 
-    def spent(sigma):
-        return selection_epsilon(
-            trial_event(sigma, sampling_rate, steps, score_noise_multiplier), delta,
-            mean_trials, shape)
+    def make_event(sigma):
+        return selection_event(trial_event(sigma, sampling_rate, steps,
+                                           score_noise_multiplier), mean_trials, shape)
 
-    if spent(MAX_NOISE) > target_epsilon:
+    floor = selection_epsilon(make_event(MAX_NOISE).event, delta, mean_trials, shape)
+    if floor > target_epsilon:
         raise ValueError(
             f"No training noise meets epsilon {target_epsilon:g} for a search of "
             f"{mean_trials:g} trials on average: the selection's fixed cost and the score's "
-            f"release alone spend {spent(MAX_NOISE):.3g}. Lower `mean_trials`, raise the "
+            f"release alone spend {floor:.3g}. Lower `mean_trials`, raise the "
             "score's noise or the target epsilon.")
-    low, high = 0.0, 1.0
-    while spent(high) > target_epsilon:
-        low, high = high, high * 2
-    while high - low > rtol * high:
-        mid = (low + high) / 2
-        if spent(mid) > target_epsilon:
-            low = mid
-        else:
-            high = mid
-    return high
+    return _smallest_noise(make_event, target_epsilon, delta, 1.0, rtol)
+
+
+def calibrate_score_noise(target_epsilon, delta, mean_trials, shape=1.0, at_least=0.0,
+                          rtol=1e-3):
+    """The smallest noise multiplier, at least ``at_least``, of a trial's score
+    (a Gaussian release of sensitivity 1) whose selection alone spends at most
+    ``target_epsilon``: the score's share of a search's budget.
+
+    Example:
+        >>> sigma = calibrate_score_noise(0.75, 1e-6, mean_trials=3)
+        >>> import dp_accounting
+        >>> selection_epsilon(dp_accounting.GaussianDpEvent(sigma), 1e-6, 3) <= 0.75
+        True
+        >>> calibrate_score_noise(0.75, 1e-6, 3, at_least=50.0)
+        50.0
+    """
+    def make_event(sigma):
+        return selection_event(dp_event.GaussianDpEvent(sigma), mean_trials, shape)
+
+    at_least = check_noise(at_least, "at_least")
+    if at_least > 0 and selection_epsilon(make_event(at_least).event, delta, mean_trials,
+                                          shape) <= target_epsilon:
+        return float(at_least)
+    if selection_epsilon(make_event(MAX_NOISE).event, delta, mean_trials,
+                         shape) > target_epsilon:
+        return MAX_NOISE  # the search's calibration then says the budget is out of reach
+    return max(at_least, _smallest_noise(make_event, target_epsilon, delta,
+                                         max(at_least, 1.0), rtol))
 
 
 def rdp_orders():

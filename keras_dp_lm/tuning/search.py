@@ -130,6 +130,22 @@ def _accuracy(model, x, y):
     return (np.argmax(logits, axis=-1) == np.asarray(y)).astype("float64")
 
 
+def _check_candidates(candidates):
+    candidates = list(candidates)
+    if not candidates or not all(isinstance(c, Candidate) for c in candidates):
+        raise ValueError("`candidates` must be a non-empty list of tuning.Candidate.")
+    return candidates
+
+
+def _keras_loss(loss):
+    """The default name stands for sparse categorical cross-entropy on logits."""
+    import keras
+
+    if loss == "sparse_categorical_crossentropy_from_logits":
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return loss
+
+
 def _rows(data, index):
     import tensorflow as tf
 
@@ -190,17 +206,13 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     Raises:
         ValueError: before any training, when no noise meets the budget.
     """
-    import keras
-
     from keras_dp_lm.callbacks import PrivacyAccountant
     from keras_dp_lm.data import poisson_batches
     from keras_dp_lm.optimizers import DPAdam
     from keras_dp_lm.training import keras_internals
     from keras_dp_lm.training.ledger import ledger_of
 
-    candidates = list(candidates)
-    if not candidates or not all(isinstance(c, Candidate) for c in candidates):
-        raise ValueError("`candidates` must be a non-empty list of tuning.Candidate.")
+    candidates = _check_candidates(candidates)
     if not 0 < validation_fraction < 1:
         raise ValueError(f"`validation_fraction` must be in (0, 1), got {validation_fraction}.")
     n = _num_rows((x, y))
@@ -222,8 +234,9 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     # Plan: batch and steps by the recipe's rules, then the noise for the whole search.
     overflow_delta = _OVERFLOW_SHARE * delta
     search_delta = delta - overflow_delta
+    # the recipe's batch and steps rules only (its noise is for one run, not a search)
     plan = suggest_recipe(n_train, target_epsilon, delta, epochs=epochs, min_steps=min_steps,
-                          max_batch_size=max_batch_size, num_parameters=1)
+                          max_batch_size=max_batch_size, trainable="head")
     q, steps = plan.sampling_rate, plan.steps
     count = selection.TrialCount(mean_trials, shape)
     sigma = selection.calibrate_search_noise(
@@ -242,8 +255,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
 
     x_train, y_train = _rows(x, train_index), _rows(y, train_index)
     x_val, y_val = _rows(x, val_index), _rows(y, val_index)
-    if loss == "sparse_categorical_crossentropy_from_logits":
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss = _keras_loss(loss)
     score_fn = score_fn or _accuracy
 
     best = None
@@ -318,9 +330,11 @@ def _digests(model):
 
 def _forget_training_traces(model):
     """What the released object would leak beyond its weights: the optimizer's
-    noise seed (the noise could be regenerated and subtracted), the trial's
+    noise seed (the noise could be regenerated and subtracted; the traced train
+    function holds it too), the trial's
     un-noised training loss (``model.history``, the metrics' running means)."""
     model.optimizer.drop_noise_seed()
+    model.train_function = None  # its traced graph holds the seed as a constant
     model.history = None
     for metric in model.metrics:
         metric.reset_state()
@@ -342,30 +356,16 @@ def held_out_coins(n, fraction, rng):
 
 def default_score_noise(target_epsilon, delta, mean_trials, shape, validation_size):
     """The score's noise std by default: about one point of accuracy
-    (``0.01 * validation_size``), or more when needed for the scores alone to
-    cost at most a quarter of ``target_epsilon`` in the search.
+    (``0.01 * validation_size``, at least 2), or more when needed for the scores
+    alone to cost at most a quarter of ``target_epsilon`` in the search.
 
     Example:
         >>> default_score_noise(3.0, 1e-6, 3.0, 1.0, 5000)
         50.0
     """
-    from dp_accounting import dp_event
-
-    def cost(sigma):
-        return selection.selection_epsilon(dp_event.GaussianDpEvent(sigma), delta,
-                                           mean_trials, shape)
-
-    low, high = 0.0, max(2.0, 0.01 * validation_size)
-    if cost(high) <= _SCORE_SHARE * target_epsilon:
-        return high
-    while cost(high) > _SCORE_SHARE * target_epsilon:
-        if high > 1e6:
-            return high  # calibration then says the budget is out of reach
-        low, high = high, 2 * high
-    while high - low > 1e-3 * high:
-        mid = (low + high) / 2
-        low, high = (mid, high) if cost(mid) > _SCORE_SHARE * target_epsilon else (low, mid)
-    return high
+    return selection.calibrate_score_noise(
+        _SCORE_SHARE * target_epsilon, delta, mean_trials, shape,
+        at_least=max(2.0, 0.01 * validation_size))
 
 
 def _check_applied(ledger, sigma, q, steps):
@@ -444,14 +444,10 @@ def public_search(build_model, x, y, *, recipe, candidates,
         >>> found.best.learning_rate
         0.1
     """
-    import keras
-
     from keras_dp_lm.data import poisson_batches
     from keras_dp_lm.optimizers import DPAdam
 
-    candidates = list(candidates)
-    if not candidates or not all(isinstance(c, Candidate) for c in candidates):
-        raise ValueError("`candidates` must be a non-empty list of tuning.Candidate.")
+    candidates = _check_candidates(candidates)
     n = _num_rows((x, y))
     rng = random.Random(seed)
     order = np.array(rng.sample(range(n), n))
@@ -467,8 +463,7 @@ def public_search(build_model, x, y, *, recipe, candidates,
     q = recipe.batch_size / len(train_index)
     cap = suggest_max_batch_size(len(train_index), q, recipe.steps,
                                  max_overflow_probability=1e-9)
-    if loss == "sparse_categorical_crossentropy_from_logits":
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss = _keras_loss(loss)
     score_fn = score_fn or _accuracy
     scores = {}
     for candidate in candidates:
