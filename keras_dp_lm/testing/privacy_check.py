@@ -57,6 +57,7 @@ from keras_dp_lm.optimizers import is_dp_optimizer
 from keras_dp_lm.training import dp_clipped_gradient
 from keras_dp_lm.training import per_example_losses
 
+
 class _Refused(Exception):
     """The DP step refused the model (raised by the step, not by the checker)."""
 
