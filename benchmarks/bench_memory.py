@@ -57,13 +57,13 @@ def _released_rss_mb():
 def _skip_probe():
     """Mark the probe as passed instead of running it (diagnostic only)."""
     from keras_dp_lm.training import refusals
-    from keras_dp_lm.training import step
+    from keras_dp_lm.training import probing
 
     def passed(model, data, spec=None):
         state = refusals.probe_state(model)
         state.independence_checked.assign(1)
         state.probed_before_step = True
-    step._probe_batch = passed
+    probing._probe_batch = passed
 
 
 def _steps(side):
@@ -84,15 +84,15 @@ def _steps(side):
 
 def _record_after_probe(out):
     """Record the peak RSS of the probe's call and the RSS it leaves behind."""
-    from keras_dp_lm.training import step
+    from keras_dp_lm.training import probing
 
-    probe = step._probe_batch
+    probe = probing._probe_batch
 
     def recorded(*args, **kwargs):
         result = probe(*args, **kwargs)
         out.update(probe_peak_mb=_peak_mb(), after_probe_mb=_released_rss_mb())
         return result
-    step._probe_batch = recorded
+    probing._probe_batch = recorded
 
 
 def _recompiles(side):

@@ -656,8 +656,8 @@ def test_the_training_probe_passes_dropout_and_leaves_its_seed_state_alone():
     y = np.zeros((6, 3), "float32")
     state = model.layers[1].seed_generator.state
     before = state.numpy().copy()
-    from keras_dp_lm.training import step
-    step._probe_batch(model, (x, y))
+    from keras_dp_lm.training import probing
+    probing._probe_batch(model, (x, y))
     assert np.array_equal(state.numpy(), before)  # the probe draws no randomness
     model.fit(x, y, batch_size=6, verbose=0)
     assert kdp.ledger_of(model).updates == 1

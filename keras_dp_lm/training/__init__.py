@@ -16,7 +16,7 @@ from keras_dp_lm.training.step import ClippedBatch
 from keras_dp_lm.training.step import check_model_is_private_compatible
 from keras_dp_lm.training.step import dp_clipped_gradient
 from keras_dp_lm.training.step import dp_train_step
-from keras_dp_lm.training.step import install
+from keras_dp_lm.training.binding import install
 from keras_dp_lm.training.step import make_private
 
 __all__ = ["ClippedBatch", "PrivacyLedger", "allow_non_private_fit", "check_model",

@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_dp_lm.training.keras_internals import Trainer
+from keras_dp_lm.training.keras_internals import call_has_training_arg
 from keras_dp_lm.training.keras_internals import compiled_loss_terms
 from keras_dp_lm.training.keras_internals import get_keras_mask
 from keras_dp_lm.training.keras_internals import squeeze_or_expand_to_same_rank
@@ -254,3 +255,38 @@ def regularization_loss(model):
 
 
 __all__ = ["per_example_losses", "reduce_per_example", "regularization_loss"]
+
+
+# The DP step's losses: the model called as Keras's train step calls it.
+
+def _model_outputs(model, x, training=True):
+    """The model's outputs as Keras's own train (``training=True``) and test
+    steps compute them: ``training`` is passed only when ``call`` takes it
+    (a subclassed ``call(self, x)`` runs its dropout as Keras's ``fit`` does)."""
+    if call_has_training_arg(model):
+        return model(x, training=training)
+    return model(x)
+
+
+def _step_losses(model, examples_per_user=1):
+    """The DP step's ``loss_fn(((x, y, sample_weight), weights)) -> (losses,
+    outputs)``: per-example losses of a training-mode pass, 0 on padding."""
+    k = examples_per_user
+
+    def loss_fn(part):
+        (px, py, psw), pweight = part
+        outputs = _model_outputs(model, px)
+        losses = per_example_losses(model, px, py, outputs, psw)
+        if k > 1:
+            losses = losses * tf.cast(pweight, losses.dtype)
+        return tf.where(pweight > 0, losses, tf.zeros_like(losses)), outputs
+    return loss_fn
+
+
+def _probe_losses(model):
+    """``(part, training) -> [B]`` per-example losses (the probe's passes): the
+    model called as the step calls it (:func:`_model_outputs`)."""
+    def losses(part, training):
+        px, py, psw = part
+        return per_example_losses(model, px, py, _model_outputs(model, px, training), psw)
+    return losses

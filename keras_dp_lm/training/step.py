@@ -1,8 +1,9 @@
-"""The DP train step and its binding to models compiled with a DP optimizer.
+"""The DP train step.
 
 After ``import keras_dp_lm``, ``model.compile(optimizer=<DP optimizer>, ...)``
 binds :func:`dp_train_step` to the model as an instance attribute (Keras looks
-the step up as ``self.train_step``), so plain ``model.fit`` trains privately.
+the step up as ``self.train_step``; the binding is in
+:mod:`keras_dp_lm.training.binding`), so plain ``model.fit`` trains privately.
 The step, per logical batch:
 
 1. splits the batch into ``gradient_accumulation_steps`` micro-batches;
@@ -23,8 +24,6 @@ bound for them.
 
 import collections
 import contextlib
-import functools
-import itertools
 import types
 import weakref
 
@@ -35,20 +34,26 @@ from keras_dp_lm import clipping as clipping_module
 from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
+from keras_dp_lm.training.batches import _batch_rate
+from keras_dp_lm.training.batches import _has_real_slots
+from keras_dp_lm.training.batches import _loss_weights
+from keras_dp_lm.training.batches import _micro_batch
+from keras_dp_lm.training.batches import _micro_batch_rows
+from keras_dp_lm.training.batches import _pad_to_multiple
+from keras_dp_lm.training.batches import _split_micro_batches
+from keras_dp_lm.training.batches import _unpack
 from keras_dp_lm.training.ledger import ledger_of
 from keras_dp_lm.training.ledger import mark_dp_trained
 from keras_dp_lm.training.ledger import models_registered
-from keras_dp_lm.training.ledger import register_model
 from keras_dp_lm.training.ledger import sharing_ledgers
-from keras_dp_lm.training.ledger import saved_ledger
-from keras_dp_lm.training.losses import per_example_losses
+from keras_dp_lm.training.losses import _model_outputs
+from keras_dp_lm.training.losses import _probe_losses
+from keras_dp_lm.training.losses import _step_losses
 from keras_dp_lm.training.losses import regularization_loss
+from keras_dp_lm.training.probing import _MIXING_REFUSED
+from keras_dp_lm.training.probing import _probe_engine
 from keras_dp_lm.optimizers import is_dp_optimizer
-from keras_dp_lm.data import attach_real_slots
-from keras_dp_lm.data import split_real_slots
 from keras_dp_lm.errors import PrivacyRefusalError
-
-tree = internals.tree
 
 ClippedBatch = collections.namedtuple("ClippedBatch",
                                       ["grads", "losses", "norms", "mask", "rounding"],
@@ -70,54 +75,6 @@ rounding: like ``norms``, the float32 rounding allowance included in
 """
 
 
-def _model_outputs(model, x, training=True):
-    """The model's outputs as Keras's own train (``training=True``) and test
-    steps compute them: ``training`` is passed only when ``call`` takes it
-    (a subclassed ``call(self, x)`` runs its dropout as Keras's ``fit`` does)."""
-    if internals.call_has_training_arg(model):
-        return model(x, training=training)
-    return model(x)
-
-
-def _batch_size(batch):
-    first = next(t for t in tree.flatten(batch) if t is not None)
-    static = first.shape[0]
-    return static if static is not None else tf.shape(first)[0]
-
-
-def _pad_to_multiple(data, mask, num_micro):
-    """Pad every leaf (and the mask) with inert slots up to a multiple of k."""
-    size = _batch_size(mask)
-    if isinstance(size, int):
-        pad = (-size) % num_micro
-        if pad == 0:
-            return data, mask
-    else:
-        pad = tf.math.floormod(-size, num_micro)
-
-    def grow(t):
-        if t is None:
-            return None
-        filler = tf.gather(t, tf.zeros([pad], tf.int32))  # copies of slot 0, masked out
-        return tf.concat([t, filler], 0)
-
-    return tree.map_structure(grow, data), tf.concat([mask, tf.zeros([pad], mask.dtype)], 0)
-
-
-def _split_micro_batches(data, num_micro):
-    """Reshape each leaf ``[B, ...]`` to ``[k, B / k, ...]``."""
-    def split(t):
-        if t is None:
-            return None
-        shape = tf.concat([[num_micro, tf.shape(t)[0] // num_micro], tf.shape(t)[1:]], 0)
-        return tf.reshape(t, shape)
-    return tree.map_structure(split, data)
-
-
-def _micro_batch(data, index):
-    return tree.map_structure(lambda t: None if t is None else t[index], data)
-
-
 def _update_metrics(model, part, outputs):
     """Update compiled metrics on one (micro-)batch; they are not DP."""
     if not internals.has_compiled_metrics(model):
@@ -126,111 +83,6 @@ def _update_metrics(model, part, outputs):
     if outputs is None:
         outputs = _model_outputs(model, px)
     model.compute_metrics(px, py, outputs, sample_weight=psw)
-
-
-def _has_real_slots(data):
-    _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    return split_real_slots(sample_weight)[0] is not None
-
-
-def _unpack(data):
-    """``(x, y, sample_weight, real-slot mask [B], sampling rate, examples_per_user)``.
-
-    A real-slot mask of shape ``[U, k]`` (from
-    :func:`keras_dp_lm.data.poisson_user_batches`) marks a user batch:
-    ``examples_per_user`` is then ``k``; else it is ``None``.
-    """
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    mask, rate, sample_weight = split_real_slots(sample_weight)
-    x, y, sample_weight = tree.map_structure(
-        lambda t: None if t is None else tf.convert_to_tensor(t), (x, y, sample_weight))
-    size = _batch_size((x, y, sample_weight))
-    per_user = None
-    if mask is None:
-        mask = tf.ones([size], tf.float32)
-    else:
-        mask = tf.convert_to_tensor(mask)
-        if mask.shape.rank is None:
-            raise PrivacyRefusalError(
-                "The real-slot mask has an unknown rank (Keras relaxed the traced shapes "
-                "after batches of different kinds): a model trains on example batches "
-                "(mask [B]) or on user batches (mask [users, examples_per_user], one "
-                "examples_per_user), not both.")
-        if mask.shape.rank == 2:
-            per_user = mask.shape[1]
-            if per_user is None:
-                raise PrivacyRefusalError(
-                    "A user batch's real-slot mask [users, examples_per_user] needs a "
-                    "static examples_per_user (keras_dp_lm.data.poisson_user_batches "
-                    "gives one).")
-        elif mask.shape.rank != 1:
-            raise PrivacyRefusalError(
-                f"The real-slot mask must be [B] (examples) or [users, "
-                f"examples_per_user]; got shape {tuple(mask.shape)}.")
-        if per_user is not None and isinstance(size, int) and size % per_user:
-            raise PrivacyRefusalError(
-                f"A user batch with examples_per_user={per_user} has {size} rows, not "
-                "a multiple of it: its rows no longer line up with its users. Under "
-                "tf.distribute, pass num_replicas=strategy.num_replicas_in_sync to "
-                "keras_dp_lm.data.poisson_user_batches, so that splitting the batch "
-                "keeps each user's rows on one replica.")
-        # A slot is real or padding: 0/1, whatever values the mask holds (a
-        # fractional mask must not shrink the counted batch).
-        mask = tf.cast(tf.reshape(mask, [-1]) > 0, tf.float32)
-        mask_size = mask.shape[0]
-        if isinstance(size, int) and mask_size is not None and mask_size != size:
-            raise PrivacyRefusalError(
-                f"The batch has {size} slots but its real-slot mask has {mask_size}: "
-                "a preprocessing step changed the number of rows. keras_dp_lm "
-                "needs row-wise preprocessing (one output row per input row).")
-        if not isinstance(size, int) or mask_size is None:
-            mask = _one_per_row(mask, size)
-    return x, y, sample_weight, mask, rate, per_user
-
-
-def _batch_rate(rate, ctx):
-    """The batch's Poisson rate: the largest attached to any of its rows, on
-    any replica (0 when none is attached). Rates travel one per row so that
-    ``tf.distribute`` can split a batch; a replica may get no rows."""
-    if rate is None:
-        return tf.constant(0.0, tf.float64)
-    rate = tf.reshape(tf.cast(rate, tf.float64), [-1])
-    rate = tf.reduce_max(tf.concat([rate, tf.zeros([1], tf.float64)], 0))
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
-        rate = tf.reduce_max(ctx.all_gather(tf.reshape(rate, [1]), axis=0))
-    return rate
-
-
-def _one_per_row(mask, rows):
-    """``mask`` checked at run time to have one entry per row.
-
-    A smaller mask must never broadcast over the rows (one user's slot would
-    then cover all of them). In graph mode a mismatch raises; under XLA, which
-    drops assertions, the mask becomes all padding, so the step adds nothing
-    but noise. (``tf.reshape(mask, [rows])`` is not enough: grappler removes
-    a reshape between two shapes it cannot tell apart.)
-    """
-    count = tf.size(mask)
-    check = tf.debugging.assert_equal(
-        count, rows, message="keras_dp_lm: the real-slot mask must have one entry per "
-                             "row (example batches) or per examples_per_user rows (user "
-                             "batches) of the batch: preprocess row-wise, and under "
-                             "tf.distribute pass num_replicas= to poisson_user_batches")
-    with tf.control_dependencies([check]):
-        index = tf.minimum(tf.range(rows), tf.maximum(count - 1, 0))
-        return tf.gather(mask, index) * tf.cast(tf.equal(count, rows), mask.dtype)
-
-
-def _loss_weights(mask, examples_per_user):
-    """Per-row loss weights: the real-slot mask, divided in a user batch by the
-    user's number of real rows (each user's gradient is the mean over its
-    examples, computed from that user's rows alone)."""
-    k = examples_per_user
-    if k == 1:
-        return mask
-    per_user = tf.reshape(mask, [-1, k])
-    counts = tf.reduce_sum(per_user, axis=1, keepdims=True)
-    return tf.reshape(per_user / tf.maximum(counts, 1.0), [-1])
 
 
 def dp_clipped_gradient(model, data, update_metrics=False):
@@ -248,35 +100,6 @@ def dp_clipped_gradient(model, data, update_metrics=False):
     x, y, sample_weight, mask, _, per_user = _unpack(data)
     return _clipping_core(model)(model, (x, y, sample_weight), mask, update_metrics,
                                  per_user or 1)
-
-
-def _step_losses(model, examples_per_user=1):
-    """The DP step's ``loss_fn(((x, y, sample_weight), weights)) -> (losses,
-    outputs)``: per-example losses of a training-mode pass, 0 on padding."""
-    k = examples_per_user
-
-    def loss_fn(part):
-        (px, py, psw), pweight = part
-        outputs = _model_outputs(model, px)
-        losses = per_example_losses(model, px, py, outputs, psw)
-        if k > 1:
-            losses = losses * tf.cast(pweight, losses.dtype)
-        return tf.where(pweight > 0, losses, tf.zeros_like(losses)), outputs
-    return loss_fn
-
-
-def _probe_engine(model):
-    """The DP step's clipping engine as the independence probe checks it:
-    ``(batch, mask, slot_mask, l2_norm_clip) -> ClippedSum``: the step's losses
-    on the real rows of ``mask``, clipped at ``l2_norm_clip`` and summed over the
-    rows of ``slot_mask`` only."""
-    loss_fn = _step_losses(model)
-
-    def engine(batch, mask, slot_mask, l2_norm_clip):
-        return clipping_module.clipped_sum(
-            model, loss_fn, (batch, mask), l2_norm_clip, method=model.optimizer.clipping,
-            slot_mask=slot_mask)
-    return engine
 
 
 def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
@@ -337,7 +160,6 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
 # ``WeakKeyDictionary`` would keep every model that ever trained alive, and its
 # traced graphs with it (millions of Python objects over a test suite).
 _XLA_CORE = "_keras_dp_lm_xla_core"
-_PROBE = "_keras_dp_lm_probe"
 
 
 def has_xla_core(model):
@@ -349,7 +171,7 @@ def _clipping_core(model):
     """``_clipped_batch``, compiled with XLA when the model is (``jit_compile``).
 
     A DP model compiled with ``jit_compile=True`` runs Keras's step as a plain
-    graph (see ``_dp_make_train_function``) and only this core (the
+    graph (see ``binding._dp_make_train_function``) and only this core (the
     forward and backward passes and the clipping) as one XLA program. The
     checks around it (the independence probe, the ledger's limits) then stay
     outside XLA: their assertions raise as in graph mode, and the probe's
@@ -376,148 +198,6 @@ def _same_objects(a, b):
     optimizer_b, variables_b = b
     return (optimizer_a is optimizer_b and len(variables_a) == len(variables_b)
             and all(x is y for x, y in zip(variables_a, variables_b)))
-
-
-_MIXING_REFUSED = (
-    "keras_dp_lm refused the batch: one example's loss or gradient depends on other "
-    "examples of the batch (a layer or loss mixes examples: batch statistics, a "
-    "batch maximum, weights normalised over the batch, attention or similarity "
-    "across the batch axis, a straight-through estimator or custom gradient over "
-    "the batch), or its training pass or gradients are not finite on the examples "
-    "the check compares (a layer dividing by a batch statistic without an "
-    "epsilon), or the training pass draws randomness "
-    "outside Keras's seed generators (tf.random.* in a layer's call), which the "
-    "check cannot replay and which could hide such mixing, or fast clipping's own "
-    "per-example gradient of an example is not that example's gradient (a backward "
-    "pass that moves gradient between examples, or a clipping rule registered with "
-    "register_clipping_rule for a layer whose call it does not describe). Fast "
-    "clipping cannot bound such a model. Make each example's loss depend on that "
-    "example alone, draw randomness with keras.random and a "
-    "keras.random.SeedGenerator (as keras.layers.Dropout does), register rules only "
-    "for layers that compute what the rule's layer computes, or compile the DP "
-    "optimizer with clipping='exact' (each example differentiated alone).")
-
-
-def _micro_batch_rows(model, mask, examples_per_user=None):
-    """The rows of one micro-batch of ``mask``'s batch (the size the model is
-    trained at with gradient accumulation): the probe runs at that size."""
-    unit = (examples_per_user or 1) * model.optimizer.dp_accumulation_steps
-    units = (tf.shape(mask)[0] + unit - 1) // unit
-    return units * (examples_per_user or 1)
-
-
-def _probe_losses(model):
-    """``(part, training) -> [B]`` per-example losses (the probe's passes): the
-    model called as the step calls it (:func:`_model_outputs`)."""
-    def losses(part, training):
-        px, py, psw = part
-        return per_example_losses(model, px, py, _model_outputs(model, px, training), psw)
-    return losses
-
-
-def _dp_make_train_function(model):
-    """``model.make_train_function`` for a DP model.
-
-    * With ``jit_compile=True`` Keras's step is built without XLA and the DP
-      step compiles its own core instead (:func:`_clipping_core`);
-      ``model.jit_compile`` stays what the user set.
-    * The train function it returns runs fast clipping's independence probe
-      before the first step, as a call of its own
-      (:func:`_train_function_probing_first`).
-    """
-    make = model.make_train_function
-
-    def build(force):
-        if not model.jit_compile:
-            return make(force)
-        model.jit_compile = False
-        try:
-            return make(force)
-        finally:
-            model.jit_compile = True
-
-    def make_train_function(force=False):
-        build(force)  # sets model.train_function, which fit and train_on_batch call
-        function = model.train_function
-        if not getattr(function, "_keras_dp_lm_probes_first", False):
-            function = model.train_function = _train_function_probing_first(model, function)
-        return function
-
-    make_train_function._keras_dp_lm_binding = True
-    return make_train_function
-
-
-def _probe_batch(model, data, spec=None):
-    """Run the independence probe on ``data`` (a batch as the step gets it,
-    traced at ``spec`` if given); raise before any update if the model mixes
-    examples or its forward pass writes model variables."""
-    probe = model.__dict__.get(_PROBE)
-    if probe is None:
-        def run(batch):
-            x, y, sample_weight, mask, _, per_user = _unpack(batch)
-            # refused on the traced graph, before it runs, if it writes variables
-            return refusals.without_state_updates(model, lambda: refusals.model_probe(
-                model, _probe_losses(model), (x, y, sample_weight), mask,
-                rows=_micro_batch_rows(model, mask, per_user), engine=_probe_engine(model)))
-        probe = model.__dict__[_PROBE] = tf.function(run, reduce_retracing=True,
-                                                     autograph=False)
-    if spec is not None:
-        probe = probe.get_concrete_function(spec)
-    ok, meaningful = probe(data)
-    if not bool(ok):
-        raise PrivacyRefusalError(_MIXING_REFUSED)
-    if bool(meaningful):
-        state = refusals.probe_state(model)
-        state.independence_checked.assign(1)
-        state.probed_before_step = True
-        model.__dict__.pop(_PROBE, None)  # its graph is not needed again
-
-
-def _train_function_probing_first(model, train_function):
-    """``train_function`` that runs the independence probe on the first batch
-    as its own call, before the step.
-
-    The probe (:func:`keras_dp_lm.training.refusals.examples_independent`)
-    is two inference passes; inside the step's graph it costs its whole
-    program on every step even when it is skipped: on SmolLM2-135M with LoRA,
-    415 MB of peak RSS and 27 s of the first step's compile time. Once a probe
-    has passed, the step is traced without it
-    (``probe_state(model).probed_before_step``). The batch the probe ran on is then
-    trained on as usual. Under a ``tf.distribute`` strategy, with
-    ``run_eagerly=True`` and in custom loops (:func:`make_private`) the step
-    probes inside itself instead.
-    """
-    def run(iterator):
-        if (refusals.probe_state(model).probed_before_step
-                or model.optimizer.clipping == "exact"
-                or model.run_eagerly
-                or isinstance(iterator, tf.distribute.DistributedIterator)
-                or tf.distribute.has_strategy()
-                or internals.distribute_strategy_of(model) is not None):
-            return train_function(iterator)
-        steps = max(1, int(model.steps_per_execution))
-        if isinstance(iterator, tf.data.Iterator):
-            batches = []
-            for _ in range(steps):
-                element = iterator.get_next_as_optional()
-                if not element.has_value():
-                    break
-                batches.append(element.get_value())
-            if not batches:
-                raise StopIteration
-            _probe_batch(model, batches[0], iterator.element_spec)
-            # The same element spec as the dataset's, so Keras's traced loop
-            # over the iterator is reused (not traced again for this call).
-            replay = tf.data.Dataset.from_generator(
-                lambda: iter(batches), output_signature=iterator.element_spec)
-            return train_function(iter(replay))
-        iterator = iter(iterator)
-        first = next(iterator)
-        _probe_batch(model, first)
-        return train_function(itertools.chain([first], iterator))
-
-    run._keras_dp_lm_probes_first = True
-    return run
 
 
 # Keras traces the train function with autograph on, and autograph converts
@@ -675,15 +355,23 @@ def _regularization_gradients(model):
 check_model_is_private_compatible = refusals.check_model
 
 
-def _check_train_step_not_overridden(model):
-    step = type(model).train_step
-    if step is not internals.TensorFlowTrainer.train_step:
-        raise PrivacyRefusalError(
-            f"{type(model).__name__} overrides train_step(), so model.fit would "
-            "bypass per-example clipping and noise. Remove the override (put "
-            "custom losses in `compute_per_example_loss(x, y, y_pred, "
-            "sample_weight)`), or train with the step returned by "
-            "`keras_dp_lm.make_private(model)` in a custom loop.")
+_TRACED_SHARING = "_keras_dp_lm_traced_sharing"
+
+
+def _sharing_grew(model):
+    """Whether a model built since the DP step was traced holds weights the
+    step trains: the traced step would not record its updates in that model's
+    ledger (r36 F1), so the step must be traced again."""
+    traced = model.__dict__.get(_TRACED_SHARING)
+    if traced is None or traced[0] == models_registered():
+        return False
+    strategy = internals.distribute_strategy_of(model)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        ledgers = sharing_ledgers(model)  # a new model's ledger is created here
+    grew = any(ledger not in traced[1] for ledger in ledgers)
+    # recorded before the new trace, which records its own
+    model.__dict__[_TRACED_SHARING] = (models_registered(), traced[1])
+    return grew
 
 
 def make_private(model):
@@ -732,266 +420,3 @@ def make_private(model):
         return traced[0](data)
 
     return run
-
-
-def _keep_real_slots_through(preprocess):
-    """Wrap a KerasHub ``preprocess_samples`` so the real-slot mask survives it.
-
-    KerasHub preprocessors build their own ``sample_weight`` (the padding
-    mask) and drop the one they are given: without this, padding slots of a
-    Poisson batch of raw strings would train with full weight.
-    """
-    if getattr(preprocess, "_keras_dp_lm_keeps_slots", False):
-        return preprocess
-
-    def wrapped(x, y=None, sample_weight=None):
-        mask, rate, sample_weight = split_real_slots(sample_weight)
-        out = preprocess(x, y, sample_weight)
-        if mask is None:
-            return out
-        px, py, psw = keras.utils.unpack_x_y_sample_weight(out)
-        return px, py, attach_real_slots(psw, mask, rate)
-
-    wrapped._keras_dp_lm_keeps_slots = True
-    return wrapped
-
-
-_original_compile = internals.Trainer.compile
-
-
-@functools.wraps(_original_compile)
-def _compile_with_dp_binding(self, *args, **kwargs):
-    _original_compile(self, *args, **kwargs)
-    own = self.__dict__
-    if is_dp_optimizer(getattr(getattr(self, "optimizer", None), "inner_optimizer", None)):
-        raise PrivacyRefusalError(
-            "Keras wrapped the DP optimizer in a LossScaleOptimizer (the "
-            "'mixed_float16' policy). Dynamic loss scaling multiplies the loss before "
-            "per-example clipping and skips or rescales updates, so the clipping bound "
-            "and the noise no longer match what is accounted. Use the "
-            "'mixed_bfloat16' policy (supported: clipping arithmetic runs in float32) "
-            "or float32.")
-    if is_dp_optimizer(getattr(self, "optimizer", None)):
-        _check_train_step_not_overridden(self)
-        refusals.check_model(self)
-        sharing_ledgers(self)  # created in the strategy scope compile runs in
-        self.train_step = types.MethodType(dp_train_step, self)
-        # A new loss (or model) is probed again, by a probe traced anew.
-        refusals.probe_state(self).reset()
-        self.__dict__.pop(_PROBE, None)
-        self.__dict__.pop(_XLA_CORE, None)
-        if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
-            self.make_train_function = _dp_make_train_function(self)
-        if hasattr(self, "preprocess_samples"):
-            self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
-    elif _bound_to_dp_step(self):
-        del own["train_step"]  # recompiled without DP: unbind
-        own.pop("make_train_function", None)
-    fit_guards.forget_permission(self)
-
-
-_original_symbolic_build = internals.TensorFlowTrainer._maybe_symbolic_build
-
-
-def _symbolic_build_distributed_safe(self, iterator=None, data_batch=None):
-    """Keras 3.15 averages a distributed batch with ``strategy.reduce`` before
-    building. That fails under MultiWorkerMirroredStrategy in eager mode
-    ("Attempt to convert a value (PerReplica...)"), even for plain Adam, and
-    under any strategy when the replicas' shares differ in size (a Poisson
-    batch of 21 rows on 2 replicas). Build from the first local replica's
-    batch instead, without its real-slot marks: only shapes matter.
-
-    Without a strategy Keras builds a model lazily, in its train function's
-    first trace; a DP model with layers not yet built (a subclassed model
-    never called before ``fit``) is built here instead, before the
-    independence probe (which would create the variables in a trace of its
-    own), from the dataset's element spec: no batch is drawn."""
-    strategy = self._distribute_strategy
-    if strategy is None:
-        if not _unbuilt_dp_model(self):
-            return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-        if iterator is not None:
-            data_batch = internals.epoch_iterator_element_spec(iterator)
-        if data_batch is None:
-            return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-    elif iterator is None:
-        return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
-    else:
-        for _, _, it in iterator:
-            batch = next(it)
-            data_batch = tree.map_structure(
-                lambda v: strategy.experimental_local_results(v)[0]
-                if isinstance(v, tf.distribute.DistributedValues) else v, batch)
-            break
-    # Keras computes the loss on it: hand it the loss's own sample_weight,
-    # not the real-slot marks.
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
-    data_batch = keras.utils.pack_x_y_sample_weight(x, y, split_real_slots(sample_weight)[2])
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        self._symbolic_build(data_batch=data_batch)
-
-
-def _unbuilt_dp_model(model):
-    """A model with a DP optimizer and layers not built yet."""
-    return is_dp_optimizer(getattr(model, "optimizer", None)) and not all(
-        layer.built for layer in internals.flatten_layers(model, include_self=True))
-
-
-_original_fit = internals.TensorFlowTrainer.fit
-
-
-@functools.wraps(_original_fit)
-def _fit_releasing_limits(self, *args, **kwargs):
-    """``fit``, after which the limits a :class:`PrivacyAccountant` registered
-    on the model's ledger are cleared also when the fit raised (Keras then
-    skips ``on_train_end``): stale limits would check, and record the rate
-    of, later fits that have no accountant. Training the ledger could not
-    count is refused first
-    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
-    fit_guards.check_training_is_private(
-        self, _bound_to_dp_step(self),
-        kwargs.get("callbacks", args[5] if len(args) > 5 else None),
-        kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
-        kwargs.get("validation_data", args[7] if len(args) > 7 else None))
-    try:
-        return _original_fit(self, *args, **kwargs)
-    finally:
-        ledger = ledger_of(self, create=False)
-        if ledger is not None:
-            ledger.clear_limits()
-
-
-def _bound_to_dp_step(model):
-    """Whether ``model`` was compiled for DP (its ``train_step`` is the DP step)."""
-    bound = model.__dict__.get("train_step")
-    return isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
-
-
-_original_train_on_batch = internals.TensorFlowTrainer.train_on_batch
-
-
-@functools.wraps(_original_train_on_batch)
-def _train_on_batch_checked(self, *args, **kwargs):
-    """``train_on_batch``, refused first if the ledger could not count it
-    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
-    fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
-    return _original_train_on_batch(self, *args, **kwargs)
-
-
-_original_make_train_function = internals.TensorFlowTrainer.make_train_function
-
-
-_TRACED_SHARING = "_keras_dp_lm_traced_sharing"
-
-
-def _sharing_grew(model):
-    """Whether a model built since the DP step was traced holds weights the
-    step trains: the traced step would not record its updates in that model's
-    ledger (r36 F1), so the step must be traced again."""
-    traced = model.__dict__.get(_TRACED_SHARING)
-    if traced is None or traced[0] == models_registered():
-        return False
-    strategy = internals.distribute_strategy_of(model)
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        ledgers = sharing_ledgers(model)  # a new model's ledger is created here
-    grew = any(ledger not in traced[1] for ledger in ledgers)
-    # recorded before the new trace, which records its own
-    model.__dict__[_TRACED_SHARING] = (models_registered(), traced[1])
-    return grew
-
-
-class _CheckedTrainFunction:
-    """A model's train function that refuses, before each call, training the
-    ledger could not count; its other attributes are the wrapped function's
-    (TensorBoard reads a ``tf.function``'s graph)."""
-
-    _keras_dp_lm_checked = True
-
-    def __init__(self, model, function):
-        self._model = model
-        self._function = function
-
-    def __call__(self, *args, **kwargs):
-        model = self._model
-        dp = _bound_to_dp_step(model)
-        fit_guards.check_training_is_private(model, dp)
-        if dp and _sharing_grew(model):
-            model.make_train_function(force=True)
-            return model.train_function(*args, **kwargs)
-        return self._function(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._function, name)
-
-
-@functools.wraps(_original_make_train_function)
-def _make_checked_train_function(self, force=False):
-    """``make_train_function``, whose train function refuses, before each call,
-    training the ledger could not count
-    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`): ``fit``
-    and ``train_on_batch`` call it, and so may a user (r34c C5)."""
-    _original_make_train_function(self, force)
-    function = self.train_function
-    if function is not None and not getattr(function, "_keras_dp_lm_checked", False):
-        function = self.train_function = _CheckedTrainFunction(self, function)
-    return function
-
-
-_original_trainer_init = internals.TensorFlowTrainer.__init__
-
-
-@functools.wraps(_original_trainer_init)
-def _trainer_init_registering(self, *args, **kwargs):
-    """Keras's trainer ``__init__``; the model is then registered (weakly) so
-    that DP steps training its weights through another model record them in
-    its ledger (:func:`~keras_dp_lm.training.ledger.sharing_ledgers`)."""
-    _original_trainer_init(self, *args, **kwargs)
-    register_model(self)
-
-
-_original_train_step = internals.TensorFlowTrainer.train_step
-
-
-@functools.wraps(_original_train_step)
-def _checked_train_step(self, data):
-    """Keras's ``train_step``, refused first if the ledger could not count it
-    (a custom loop calling ``model.train_step`` on DP-trained weights with a
-    non-DP optimizer, r34c C5); inside ``fit`` it runs when the step is traced
-    (the ledger is read eagerly)."""
-    with tf.init_scope():
-        fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
-    return _original_train_step(self, data)
-
-
-def install():
-    """Patch ``keras.Model.compile`` so DP optimizers bind the DP step (idempotent).
-
-    Also gives every model a ``dp_ledger`` property, so the privacy ledger is
-    saved and loaded with the model's weights (``.keras``, ``.weights.h5``),
-    clears an accountant's limits after every ``fit`` (also one that raised),
-    refuses training the ledger could not count in ``fit``, ``train_on_batch``,
-    every train function (also one made and called by hand) and Keras's own
-    ``train_step`` (:mod:`keras_dp_lm.training.fit_guards`), registers every
-    model (weakly) so that a DP step records its updates in the ledger of every
-    model whose weights it trains, and works around Keras's distributed build failure (uneven replica
-    shares, MultiWorkerMirroredStrategy).
-    """
-    trainer = internals.Trainer
-    if trainer.compile is not _compile_with_dp_binding:
-        trainer.compile = _compile_with_dp_binding
-    if not isinstance(getattr(trainer, "dp_ledger", None), property):
-        trainer.dp_ledger = property(
-            saved_ledger, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
-    tf_trainer = internals.TensorFlowTrainer
-    if tf_trainer.fit is not _fit_releasing_limits:
-        tf_trainer.fit = _fit_releasing_limits
-    if tf_trainer.train_on_batch is not _train_on_batch_checked:
-        tf_trainer.train_on_batch = _train_on_batch_checked
-    if tf_trainer.__init__ is not _trainer_init_registering:
-        tf_trainer.__init__ = _trainer_init_registering
-    if tf_trainer.make_train_function is not _make_checked_train_function:
-        tf_trainer.make_train_function = _make_checked_train_function
-    if tf_trainer.train_step is not _checked_train_step:
-        tf_trainer.train_step = _checked_train_step
-    if tf_trainer._maybe_symbolic_build is not _symbolic_build_distributed_safe:
-        tf_trainer._maybe_symbolic_build = _symbolic_build_distributed_safe
