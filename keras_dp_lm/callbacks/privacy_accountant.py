@@ -1,7 +1,5 @@
 """``PrivacyAccountant``: epsilon in ``fit``'s logs and a stop before a target epsilon."""
 
-import bisect
-import copy
 import math
 import warnings
 
@@ -26,18 +24,15 @@ from keras_dp_lm.accounting.events import row_sampling_rate
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.overflow import poisson_count_cap
-from keras_dp_lm.accounting.report import privacy_report
 from keras_dp_lm.accounting.report import privacy_statement
-from keras_dp_lm.accounting.user_level import user_level_epsilon
 from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.callbacks.accountant_report import accountant_report
+from keras_dp_lm.callbacks.batch_epsilon import BatchEpsilonMixin
 
 
 # The real-example cap of a Poisson batch (see PrivacyAccountant._resolve).
 _CAP_STEPS = 10**6
 _CAP_PROBABILITY = 1e-12
-# Per-batch upper bounds: grid points per fit (on a PLD curve that bounds the
-# accountant's epsilon from above, `composed_curve(..., upper_bound=True)`).
-_GRID_POINTS = 16
 
 
 def _dp_optimizer_of(model):
@@ -60,7 +55,7 @@ def _ledger(model):
     return ledger_of(model)
 
 
-class PrivacyAccountant(keras.callbacks.Callback):
+class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
     """Keras callback: epsilon in the logs, and a stop before a target epsilon.
 
     Epsilon is computed from the model's privacy ledger
@@ -437,170 +432,12 @@ class PrivacyAccountant(keras.callbacks.Callback):
         if logs is not None and self._config is not None:
             logs["epsilon"] = self.epsilon
 
-    # -- per-batch epsilon ---------------------------------------------------
-    def _reset_batch_epsilon(self):
-        self._grid = None  # (counts, values, non-dominated rows) of the current fit
-        self._logged = None  # the last per-batch value (never decreases)
-        self._fit_start = None  # ledger count before the fit's first batch
-        self._epoch = getattr(self, "_epoch", 0)
-
-    def _last_planned_batch(self, batch):
-        params = self.params or {}
-        steps, epochs = params.get("steps"), params.get("epochs")
-        # With steps_per_execution > 1 Keras numbers the last execution of an
-        # epoch past its end (8 steps in executions of 3: batch 8), hence >=.
-        return bool(steps and epochs and self._epoch == epochs - 1 and batch >= steps - 1)
-
-    def _batch_epsilon(self, count, batch, final=False):
-        rows = [row for row in self._rows() if row[3]]
-        if self.accountant == "rdp" or final or not rows or count == self._fit_start:
-            value = self._exact_epsilon(rows)  # RDP: exact and cheap
-        else:
-            value = self._bound(rows, batch)
-        if self._logged is not None:
-            value = max(value, self._logged)
-        self._logged = value
-        return value
-
-    def _split(self, rows):
-        """(updates of the rows the assumed configuration dominates, the other rows)."""
-        others = tuple(row for row in rows if not self._dominated([row]))
-        return sum(row[3] for row in rows) - sum(row[3] for row in others), others
-
-    def _bound(self, rows, batch):
-        """Upper bound on the PLD epsilon of ``rows``: the dominated rows counted
-        at the assumed (sigma, q), the others composed exactly, looked up on a
-        grid of counts computed once per fit (monotone in the count)."""
-        n, others = self._split(rows)
-        if self._grid is None or self._grid[2] != others:
-            self._grid = ([], [], others)
-            self._extend_grid(rows, n, batch, planned=True)
-        elif n > self._grid[0][-1]:
-            self._extend_grid(rows, n, batch, planned=False)
-        counts, values, _ = self._grid
-        return values[bisect.bisect_left(counts, n)]
-
-    def _extend_grid(self, rows, n, batch, planned):
-        counts, values, others = self._grid
-        sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
-        cap = None
-        end = self._planned_end(rows, n, batch) if planned else None
-        if end is not None:
-            # The run's final count is >= `end`: counts up to end - 1 use grid
-            # values capped by the exact epsilon at `end` (what the last batch
-            # and on_epoch_end will compute; cached), so the logged values
-            # never exceed the final one.
-            last = end - 1
-            # The remaining updates at the most the step lets through (the
-            # assumed sigma, rate and batch), not at the last row's values: a
-            # later batch may have more real examples than the ones so far.
-            assumed = (sigma, rate, float(self._config["batch_size"]), end - n)
-            cap = self._exact_epsilon(list(rows) + [assumed])
-        else:
-            last = max(2 * n, n + 16)
-        span = last - n  # evenly spaced counts, and doublings before the first one
-        points = sorted({n + math.ceil(span * i / _GRID_POINTS) for i in range(_GRID_POINTS + 1)}
-                        | {n + 2 ** j for j in range(64) if 2 ** j < span / _GRID_POINTS})
-        curve = composed_curve(sigma, rate, self.delta, "pld",
-                               ledger_events(list(others), self.dataset_size), upper_bound=True)
-        new = curve.values(points)
-        floor = values[-1] if values else 0.0
-        for count, value in zip(points, new):
-            floor = max(floor, value)
-            counts.append(count)
-            values.append(floor if cap is None else min(floor, cap))
-
-    def _planned_end(self, rows, n, batch):
-        """Smallest possible final count (in dominated updates), or None."""
-        ends = []
-        limit = self.max_steps
-        others = sum(row[3] for row in self._grid[2])
-        if limit is not None:
-            ends.append(limit - others - self._config["steps_per_execution"] + 1)
-        params = self.params or {}
-        steps, epochs = params.get("steps"), params.get("epochs")
-        if steps and epochs:
-            remaining = (epochs - 1 - self._epoch) * steps + max(0, steps - 1 - batch)
-            accumulation = int(self._config["gradient_accumulation_steps"] or 1)
-            ends.append(n + remaining // accumulation)
-        end = min(ends) if ends else None
-        if end is None or end <= n or not self._dominated(rows[-1:]):
-            return None
-        return end
-
     # -- reports ---------------------------------------------------------------
     def report(self):
         """:func:`privacy_report` for what the model has received so far, plus
         ``dp_updates, ledger, batch_size_source, sampling_source,
         steps_per_execution, gradient_accumulation_steps, stopped_at``."""
-        if self.model is None:
-            raise ValueError("report() needs the accountant to have been used in fit().")
-        if self._config is None:
-            self._config = self._resolve()
-        rows = [row for row in self._rows() if row[3]]
-        count = sum(row[3] for row in rows)
-        config = self._config
-        unit = _ledger(self.model).privacy_unit or "example"
-        if unit == "user" and self.examples_per_user is not None:
-            raise ValueError(
-                "examples_per_user= adds a group-privacy epsilon to EXAMPLE-level "
-                "training; this model's updates clipped whole users (user batches), so "
-                "its epsilon is user-level already: drop examples_per_user.")
-        key = (tuple(rows), config["sampling"], config["batch_size"])
-        if self._report_cache[0] == key:
-            return copy.deepcopy(self._report_cache[1])
-        if len(rows) <= 1:
-            sigma = rows[0][0] if rows else config["noise_multiplier"]
-            rate = row_sampling_rate(rows[0], self.dataset_size) if rows else config["sampling_rate"]
-            extra = self.extra_events
-        else:  # several configurations: the earlier rows compose as extra events
-            sigma, rate = rows[-1][0], row_sampling_rate(rows[-1], self.dataset_size)
-            extra = ledger_events(rows[:-1], self.dataset_size) + self.extra_events
-            count = rows[-1][3]
-        report = privacy_report(
-            sigma, rate, count, self.delta,
-            dataset_size=self.dataset_size, batch_size=rate * self.dataset_size,
-            sampling=config["sampling"], accountant=self.accountant,
-            extra_events=extra, target_epsilon=None,
-            examples_per_user=self.examples_per_user,
-            l2_norm_clip=config["l2_norm_clip"])
-        if len(rows) > 1:
-            # The headline is the training's whole ledger at delta, composed in
-            # one accountant (the call above read the earlier rows as extra
-            # releases, each at its own delta).
-            epsilons = {name: ledger_epsilon(rows, self.dataset_size, self.delta, name)
-                        for name in ("pld", "rdp")}
-            report.update(epsilon=epsilons[self.accountant], epsilon_pld=epsilons["pld"],
-                          epsilon_rdp=epsilons["rdp"], steps=sum(row[3] for row in rows))
-            report["epochs"] = sum(row[3] * row_sampling_rate(row, self.dataset_size)
-                                   for row in rows)
-            if not self.extra_events:
-                report.update(extras=[], total_epsilon=report["epsilon"],
-                              total_delta=self.delta, total_accountant=self.accountant,
-                              sum_epsilon=report["epsilon"], sum_delta=self.delta)
-            if self.examples_per_user is not None:
-                # group privacy of one configuration, bounded by the costliest:
-                # the smallest sigma and largest rate over all the updates
-                report["user_level_epsilon"] = user_level_epsilon(
-                    min(row[0] for row in rows),
-                    max(row_sampling_rate(row, self.dataset_size) for row in rows),
-                    sum(row[3] for row in rows), self.delta, self.examples_per_user,
-                    "group", self.accountant)
-        report["target_epsilon"] = self.target_epsilon
-        report["max_steps"] = self.max_steps
-        report.update({
-            "dp_updates": sum(row[3] for row in rows),
-            "ledger": [{"noise_multiplier": r[0], "sampling_rate": row_sampling_rate(r, self.dataset_size),
-                        "max_real_batch": r[2], "updates": r[3]} for r in rows],
-            "batch_size_source": config["batch_size_source"],
-            "sampling_source": config["sampling_source"],
-            "steps_per_execution": config["steps_per_execution"],
-            "gradient_accumulation_steps": config["gradient_accumulation_steps"],
-            "stopped_at": self.stopped_at,
-            "privacy_unit": unit,
-        })
-        self._report_cache = (key, copy.deepcopy(report))
-        return report
+        return accountant_report(self)
 
     def statement(self):
         """A readable paragraph (the same format as ``keras-dp-lm epsilon``)."""

@@ -1,0 +1,82 @@
+"""The report of :class:`~keras_dp_lm.callbacks.PrivacyAccountant`: what the model has received so far."""
+
+import copy
+
+from keras_dp_lm.accounting.epsilon import ledger_epsilon
+from keras_dp_lm.accounting.events import ledger_events
+from keras_dp_lm.accounting.events import row_sampling_rate
+from keras_dp_lm.accounting.report import privacy_report
+from keras_dp_lm.accounting.user_level import user_level_epsilon
+from keras_dp_lm.training.ledger import ledger_of
+
+
+def accountant_report(accountant):
+    """``accountant.report()`` (:meth:`PrivacyAccountant.report`)."""
+    if accountant.model is None:
+        raise ValueError("report() needs the accountant to have been used in fit().")
+    if accountant._config is None:
+        accountant._config = accountant._resolve()
+    rows = [row for row in accountant._rows() if row[3]]
+    count = sum(row[3] for row in rows)
+    config = accountant._config
+    unit = ledger_of(accountant.model).privacy_unit or "example"
+    if unit == "user" and accountant.examples_per_user is not None:
+        raise ValueError(
+            "examples_per_user= adds a group-privacy epsilon to EXAMPLE-level "
+            "training; this model's updates clipped whole users (user batches), so "
+            "its epsilon is user-level already: drop examples_per_user.")
+    key = (tuple(rows), config["sampling"], config["batch_size"])
+    if accountant._report_cache[0] == key:
+        return copy.deepcopy(accountant._report_cache[1])
+    if len(rows) <= 1:
+        sigma = rows[0][0] if rows else config["noise_multiplier"]
+        rate = row_sampling_rate(rows[0], accountant.dataset_size) if rows else config["sampling_rate"]
+        extra = accountant.extra_events
+    else:  # several configurations: the earlier rows compose as extra events
+        sigma, rate = rows[-1][0], row_sampling_rate(rows[-1], accountant.dataset_size)
+        extra = ledger_events(rows[:-1], accountant.dataset_size) + accountant.extra_events
+        count = rows[-1][3]
+    report = privacy_report(
+        sigma, rate, count, accountant.delta,
+        dataset_size=accountant.dataset_size, batch_size=rate * accountant.dataset_size,
+        sampling=config["sampling"], accountant=accountant.accountant,
+        extra_events=extra, target_epsilon=None,
+        examples_per_user=accountant.examples_per_user,
+        l2_norm_clip=config["l2_norm_clip"])
+    if len(rows) > 1:
+        # The headline is the training's whole ledger at delta, composed in
+        # one accountant (the call above read the earlier rows as extra
+        # releases, each at its own delta).
+        epsilons = {name: ledger_epsilon(rows, accountant.dataset_size, accountant.delta, name)
+                    for name in ("pld", "rdp")}
+        report.update(epsilon=epsilons[accountant.accountant], epsilon_pld=epsilons["pld"],
+                      epsilon_rdp=epsilons["rdp"], steps=sum(row[3] for row in rows))
+        report["epochs"] = sum(row[3] * row_sampling_rate(row, accountant.dataset_size)
+                               for row in rows)
+        if not accountant.extra_events:
+            report.update(extras=[], total_epsilon=report["epsilon"],
+                          total_delta=accountant.delta, total_accountant=accountant.accountant,
+                          sum_epsilon=report["epsilon"], sum_delta=accountant.delta)
+        if accountant.examples_per_user is not None:
+            # group privacy of one configuration, bounded by the costliest:
+            # the smallest sigma and largest rate over all the updates
+            report["user_level_epsilon"] = user_level_epsilon(
+                min(row[0] for row in rows),
+                max(row_sampling_rate(row, accountant.dataset_size) for row in rows),
+                sum(row[3] for row in rows), accountant.delta, accountant.examples_per_user,
+                "group", accountant.accountant)
+    report["target_epsilon"] = accountant.target_epsilon
+    report["max_steps"] = accountant.max_steps
+    report.update({
+        "dp_updates": sum(row[3] for row in rows),
+        "ledger": [{"noise_multiplier": r[0], "sampling_rate": row_sampling_rate(r, accountant.dataset_size),
+                    "max_real_batch": r[2], "updates": r[3]} for r in rows],
+        "batch_size_source": config["batch_size_source"],
+        "sampling_source": config["sampling_source"],
+        "steps_per_execution": config["steps_per_execution"],
+        "gradient_accumulation_steps": config["gradient_accumulation_steps"],
+        "stopped_at": accountant.stopped_at,
+        "privacy_unit": unit,
+    })
+    accountant._report_cache = (key, copy.deepcopy(report))
+    return report
