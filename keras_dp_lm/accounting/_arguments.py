@@ -102,3 +102,13 @@ def check_positive_int(name, value, allow_none=False):
     return int(value)
 
 
+def check_integer(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def check_sampling_rate(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+        raise ValueError(f"`sampling_rate` must be in (0, 1], got {value!r}.")
+    return float(value)

@@ -13,24 +13,14 @@ Example:
 """
 
 import math
-import numbers
 
 from scipy import stats
 
+from keras_dp_lm.accounting._arguments import check_integer
+from keras_dp_lm.accounting._arguments import check_sampling_rate
+
 __all__ = ["bernstein_excess", "overflow_probability", "poisson_count_cap",
            "suggest_max_batch_size"]
-
-
-def _check_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
-    return int(value)
-
-
-def _check_rate(value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
-        raise ValueError(f"`sampling_rate` must be in (0, 1], got {value!r}.")
-    return float(value)
 
 
 def overflow_probability(dataset_size, sampling_rate, max_batch_size, steps=1):
@@ -46,10 +36,10 @@ def overflow_probability(dataset_size, sampling_rate, max_batch_size, steps=1):
         >>> overflow_probability(60000, 256 / 60000, 378, steps=2000) < 1e-9
         True
     """
-    dataset_size = _check_int("dataset_size", dataset_size)
-    sampling_rate = _check_rate(sampling_rate)
-    max_batch_size = _check_int("max_batch_size", max_batch_size)
-    steps = _check_int("steps", steps, minimum=0)
+    dataset_size = check_integer("dataset_size", dataset_size)
+    sampling_rate = check_sampling_rate(sampling_rate)
+    max_batch_size = check_integer("max_batch_size", max_batch_size)
+    steps = check_integer("steps", steps, minimum=0)
     per_step = float(stats.binom.sf(max_batch_size, dataset_size, sampling_rate))
     if per_step <= 0 or steps == 0:
         return 0.0
@@ -69,9 +59,9 @@ def suggest_max_batch_size(dataset_size, sampling_rate, steps, max_overflow_prob
         >>> suggest_max_batch_size(60000, 256 / 60000, steps=2000)
         378
     """
-    dataset_size = _check_int("dataset_size", dataset_size)
-    sampling_rate = _check_rate(sampling_rate)
-    steps = _check_int("steps", steps, minimum=0)
+    dataset_size = check_integer("dataset_size", dataset_size)
+    sampling_rate = check_sampling_rate(sampling_rate)
+    steps = check_integer("steps", steps, minimum=0)
     if not 0 < max_overflow_probability < 1:
         raise ValueError("`max_overflow_probability` must be in (0, 1), got "
                          f"{max_overflow_probability!r}.")
@@ -100,9 +90,9 @@ def poisson_count_cap(dataset_size, sampling_rate, steps, probability):
         >>> poisson_count_cap(60000, 256 / 60000, steps=2000, probability=1e-9)
         385
     """
-    dataset_size = _check_int("dataset_size", dataset_size)
-    sampling_rate = _check_rate(sampling_rate)
-    steps = _check_int("steps", steps)
+    dataset_size = check_integer("dataset_size", dataset_size)
+    sampling_rate = check_sampling_rate(sampling_rate)
+    steps = check_integer("steps", steps)
     if not 0 < probability < 1:
         raise ValueError(f"`probability` must be in (0, 1), got {probability!r}.")
     n = dataset_size + 1

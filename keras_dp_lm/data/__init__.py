@@ -1,16 +1,16 @@
 """Batches for DP-SGD: Poisson sampling (of examples, or of users for
 user-level DP), padding with a real-slot mask the DP step owns."""
 
-from keras_dp_lm.data.poisson import OVERFLOW_MODES
-from keras_dp_lm.data.poisson import PADDING_MODES
-from keras_dp_lm.data.poisson import PoissonOverflowError
-from keras_dp_lm.data.poisson import attach_real_slots
+from keras_dp_lm.data.draws import OVERFLOW_MODES
+from keras_dp_lm.data.draws import PADDING_MODES
+from keras_dp_lm.data.draws import PoissonOverflowError
+from keras_dp_lm.data.draws import padding_buckets
 from keras_dp_lm.data.poisson import iter_poisson_batches
 from keras_dp_lm.data.poisson import overflow_probability
-from keras_dp_lm.data.poisson import padding_buckets
 from keras_dp_lm.data.poisson import poisson_batches
-from keras_dp_lm.data.poisson import split_real_slots
 from keras_dp_lm.data.poisson import suggest_max_batch_size
+from keras_dp_lm.data.real_slots import attach_real_slots
+from keras_dp_lm.data.real_slots import split_real_slots
 from keras_dp_lm.data.users import poisson_user_batches
 from keras_dp_lm.data.users import records_per_user
 

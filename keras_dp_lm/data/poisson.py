@@ -78,18 +78,27 @@ Raw strings through a KerasHub preprocessor, tokenized per drawn batch:
     0.0
 """
 
-import bisect
-import math
 import numbers
-import warnings
 
 import numpy as np
 import tensorflow as tf
 
-from keras_dp_lm.accounting.overflow import _check_int
-from keras_dp_lm.accounting.overflow import _check_rate
 from keras_dp_lm.accounting.overflow import overflow_probability  # noqa: F401 (public here too)
 from keras_dp_lm.accounting.overflow import suggest_max_batch_size  # noqa: F401
+from keras_dp_lm.data.draws import OVERFLOW_MODES  # noqa: F401
+from keras_dp_lm.data.draws import PADDING_MODES  # noqa: F401
+from keras_dp_lm.data.draws import PoissonOverflowError  # noqa: F401
+from keras_dp_lm.data.draws import _buckets
+from keras_dp_lm.data.draws import _check_sampling
+from keras_dp_lm.data.draws import _draws
+from keras_dp_lm.data.draws import _index_batches
+from keras_dp_lm.data.draws import _warn_overflow
+from keras_dp_lm.data.draws import padding_buckets  # noqa: F401
+from keras_dp_lm.data.real_slots import REAL_SLOTS_KEY  # noqa: F401
+from keras_dp_lm.data.real_slots import SAMPLE_WEIGHT_KEY  # noqa: F401
+from keras_dp_lm.data.real_slots import SAMPLING_RATE_KEY  # noqa: F401
+from keras_dp_lm.data.real_slots import attach_real_slots
+from keras_dp_lm.data.real_slots import split_real_slots  # noqa: F401
 
 __all__ = [
     "PADDING_MODES",
@@ -102,69 +111,6 @@ __all__ = [
     "split_real_slots",
     "suggest_max_batch_size",
 ]
-
-REAL_SLOTS_KEY = "keras_dp_lm_real_slots"
-SAMPLING_RATE_KEY = "keras_dp_lm_sampling_rate"
-SAMPLE_WEIGHT_KEY = "sample_weight"
-
-
-def attach_real_slots(sample_weight, real_slots, sampling_rate=None):
-    """Mark which slots of a padded batch are real examples.
-
-    Returns the structure to pass as a batch's ``sample_weight``: the DP step
-    (and, for KerasHub tasks, their preprocessing) recognises it, takes the
-    mask of real slots out, gives padding slots a loss of exactly zero, and
-    hands the rest of ``sample_weight`` (possibly ``None``) to the loss.
-    ``sampling_rate`` is the Poisson rate q the batch was drawn with; the
-    step records it in the model's privacy ledger and refuses batches drawn
-    at a higher rate than the accountant assumes. It is attached once per
-    row of the mask (float64), so that ``tf.distribute`` can split the batch
-    across replicas; the step takes the largest.
-
-    Example:
-        >>> import numpy as np
-        >>> sw = attach_real_slots(None, np.array([1.0, 1.0, 0.0]), 0.01)
-        >>> mask, rate, rest = split_real_slots(sw)
-        >>> mask.tolist(), rate.tolist(), rest
-        ([1.0, 1.0, 0.0], [0.01, 0.01, 0.01], None)
-    """
-    marked = {REAL_SLOTS_KEY: real_slots}
-    if sampling_rate is not None:
-        marked[SAMPLING_RATE_KEY] = _rate_per_row(sampling_rate, real_slots)
-    if sample_weight is not None:
-        marked[SAMPLE_WEIGHT_KEY] = sample_weight
-    return marked
-
-
-def _rate_per_row(rate, real_slots):
-    """``rate`` repeated once per row of ``real_slots`` (left as is if it
-    already has one entry per row)."""
-    if isinstance(rate, (tf.Tensor, tf.Variable)) or isinstance(real_slots, tf.Tensor):
-        rate = tf.cast(rate, tf.float64)
-        if rate.shape.rank == 1:
-            return rate
-        return tf.fill(tf.shape(real_slots)[:1], tf.reshape(rate, []))
-    rate = np.asarray(rate, np.float64)
-    if rate.ndim == 1:
-        return rate
-    return np.full(np.shape(real_slots)[:1], float(rate), np.float64)
-
-
-def split_real_slots(sample_weight):
-    """``(real_slots, sampling_rate, sample_weight)`` of a marked ``sample_weight``.
-
-    An unmarked ``sample_weight`` gives ``(None, None, sample_weight)``.
-    """
-    if isinstance(sample_weight, dict) and REAL_SLOTS_KEY in sample_weight:
-        return (sample_weight[REAL_SLOTS_KEY], sample_weight.get(SAMPLING_RATE_KEY),
-                sample_weight.get(SAMPLE_WEIGHT_KEY))
-    return None, None, sample_weight
-
-OVERFLOW_MODES = ("raise", "truncate")
-
-
-class PoissonOverflowError(RuntimeError):
-    """A Poisson draw had more examples than ``max_batch_size``."""
 
 
 def _is_record_list(data):
@@ -220,34 +166,6 @@ def _materialize(dataset):
     return tf.nest.map_structure(lambda *xs: np.stack(xs), *elements)
 
 
-PADDING_MODES = ("bucket", "max")
-
-
-def padding_buckets(dataset_size, sampling_rate, max_batch_size, ratio=1.15):
-    """Batch sizes a Poisson batch is padded up to: ratio-spaced up to the cap.
-
-    A batch of ``c`` real examples is padded to the smallest bucket ``>= c``, so
-    the padded compute is at most ``ratio`` times the real one for every batch
-    of at least the smallest bucket; buckets start about 6 standard deviations
-    below the expected size (smaller draws are rare and padded to it), which
-    keeps the number of distinct shapes (XLA compilations) to a handful.
-
-    Example:
-        >>> padding_buckets(69801, 64 / 69801, 125)
-        [16, 17, 19, 21, 24, 27, 30, 34, 38, 43, 49, 56, 64, 73, 83, 95, 109, 125]
-    """
-    max_batch_size = _check_int("max_batch_size", max_batch_size)
-    if not ratio > 1:
-        raise ValueError(f"`ratio` must be > 1, got {ratio!r}.")
-    expected = dataset_size * sampling_rate
-    floor = max(1, int(expected - 6 * math.sqrt(expected * (1 - sampling_rate))))
-    sizes, size = [max_batch_size], max_batch_size
-    while size > floor:
-        size = max(floor, math.ceil(size / ratio) if math.ceil(size / ratio) < size
-                   else size - 1)
-        sizes.append(size)
-    return sorted(set(sizes))
-
 
 def _padding_like(leaf, size):
     shape = (size,) + leaf.shape[1:]
@@ -256,28 +174,6 @@ def _padding_like(leaf, size):
     # strings / objects: the empty string, a public constant (never a record)
     return np.full(shape, b"" if leaf.dtype.kind == "S" else "", dtype=leaf.dtype)
 
-
-def _check_sampling(sampling_rate, max_batch_size, overflow, num_steps):
-    """Checked ``(sampling_rate, max_batch_size, num_steps)``; one epoch by default."""
-    sampling_rate = _check_rate(sampling_rate)
-    max_batch_size = _check_int("max_batch_size", max_batch_size)
-    if overflow not in OVERFLOW_MODES:
-        raise ValueError(f"`overflow` must be one of {OVERFLOW_MODES}, got {overflow!r}.")
-    if num_steps is None:
-        num_steps = math.ceil(1 / sampling_rate)
-    return sampling_rate, max_batch_size, _check_int("num_steps", num_steps)
-
-
-def _warn_overflow(n, q, cap, num_steps, overflow, unit=("examples", "max_batch_size")):
-    """Warn when ``cap`` is exceeded with probability > 1e-6 over the run."""
-    units, cap_name = unit
-    risk = overflow_probability(n, q, cap, num_steps)
-    if risk > 1e-6:
-        warnings.warn(
-            f"{cap_name}={cap} is exceeded with probability {risk:.2g} in {num_steps} "
-            f"Poisson draws of {n} {units} (overflow={overflow!r}); "
-            f"suggest_max_batch_size(...) gives "
-            f"{suggest_max_batch_size(n, q, num_steps)} for 1e-9.", stacklevel=3)
 
 
 def iter_poisson_batches(data, sampling_rate, max_batch_size, seed=None,
@@ -306,36 +202,6 @@ def iter_poisson_batches(data, sampling_rate, max_batch_size, seed=None,
                      overflow, has_weight, rng, buckets)
 
 
-def _buckets(padding, n, q, cap, ratio):
-    if padding not in PADDING_MODES:
-        raise ValueError(f"`padding` must be one of {PADDING_MODES}, got {padding!r}.")
-    return [cap] if padding == "max" else padding_buckets(n, q, cap, ratio)
-
-
-def _draws(n, q, cap, num_steps, overflow, rng, buckets, unit=("examples", "max_batch_size")):
-    """Per step: ``(index, size)``, the sorted drawn example (or user) indices and
-    the padded size; ``unit`` names them and the cap in the overflow error.
-
-    The only randomness of the sampler; the NumPy generator and the
-    ``tf.data`` pipeline both consume it, so a seed gives the same draws.
-    """
-    units, cap_name = unit
-    for _ in range(num_steps):
-        count = int(rng.binomial(n, q))
-        if count > cap:
-            if overflow == "raise":
-                raise PoissonOverflowError(
-                    f"Poisson sampling drew {count} {units}, more than "
-                    f"{cap_name}={cap}; truncating would break the privacy "
-                    f"analysis. Use a larger {cap_name} "
-                    "(keras_dp_lm.data.suggest_max_batch_size) or "
-                    "overflow='truncate' (see the module docstring).")
-            count = cap
-        # Poisson sampling == a Binomial(n, q) size and a uniform subset of it.
-        # (With truncation: a uniform subset of `cap` of the drawn examples.)
-        index = np.sort(rng.choice(n, size=count, replace=False))
-        yield index, buckets[bisect.bisect_left(buckets, count)]
-
 
 def _generate(data, leaves, n, q, cap, num_steps, overflow, has_weight, rng, buckets):
     for index, size in _draws(n, q, cap, num_steps, overflow, rng, buckets):
@@ -358,12 +224,6 @@ def _generate(data, leaves, n, q, cap, num_steps, overflow, has_weight, rng, buc
         yield x, y, attach_real_slots(weight, real, np.float64(q))
 
 
-def _index_batches(n, q, cap, num_steps, overflow, rng, buckets):
-    """``(slot index [size] int64, count)`` per step: padding slots point at example 0."""
-    for index, size in _draws(n, q, cap, num_steps, overflow, rng, buckets):
-        slots = np.zeros((size,), np.int64)
-        slots[:len(index)] = index
-        yield slots, np.int32(len(index))
 
 
 def _is_numeric(dtype):

@@ -34,13 +34,13 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dp_lm.clipping.interface import check_examples_per_user
-from keras_dp_lm.data.poisson import _buckets
-from keras_dp_lm.data.poisson import _check_sampling
-from keras_dp_lm.data.poisson import _draws
+from keras_dp_lm.data.draws import _buckets
+from keras_dp_lm.data.draws import _check_sampling
+from keras_dp_lm.data.draws import _draws
+from keras_dp_lm.data.draws import _warn_overflow
 from keras_dp_lm.data.poisson import _finish_batch
 from keras_dp_lm.data.poisson import _flatten_examples
 from keras_dp_lm.data.poisson import _gather_masked
-from keras_dp_lm.data.poisson import _warn_overflow
 
 
 def _user_rows(user_ids, n):
