@@ -89,10 +89,14 @@ def test_site_builds_offline_in_strict_mode(tmp_path):
 
 
 def _write_tiny_gguf(path):
-    """A random 2-layer llama GGUF, written as llama.cpp writes one (tests' helper)."""
+    """A random 2-layer llama GGUF with a byte-level BPE vocabulary (every byte), written
+    as llama.cpp writes one by the GGUF writer of tests/test_models_gguf.py."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_models_gguf import _random_backbone, _tokens_and_merges, _write_gguf
-    tokens, merges = _tokens_and_merges()
+    from test_models_gguf import SPECIAL, _random_backbone, _write_gguf
+    from keras_dp_lm import testing
+    vocabulary, merges = testing.train_byte_level_bpe(testing.DEFAULT_TEXT, 320,
+                                                      special_tokens=())
+    tokens = SPECIAL + sorted(vocabulary, key=vocabulary.get)
     _write_gguf(path, _random_backbone(tokens, tied=True), tokens, merges)
 
 
