@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def _run_pages(pages, workdir):
     import keras
     results = {}
     for page in pages:
+        start = time.perf_counter()
         keras.backend.clear_session()
         namespace = {"__name__": "__main__"}
         try:
@@ -121,8 +123,8 @@ def _run_pages(pages, workdir):
             results[str(page)] = None
         except BaseException:  # noqa: BLE001 - reported per page
             results[str(page)] = traceback.format_exc()[-4000:]
-        print(f"{page}: {'ok' if results[str(page)] is None else 'FAILED'}",
-              file=sys.stderr, flush=True)
+        print(f"{page}: {'ok' if results[str(page)] is None else 'FAILED'} "
+              f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
     return results
 
 
