@@ -329,19 +329,17 @@ def _scoped_seed(seed):
     Both are restored on exit so callers' unseeded randomness is untouched.
     """
     import keras
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
+    from keras_dp_lm.training import keras_internals
 
     state = _python_random.getstate()
-    key = seed_generator.GLOBAL_SEED_GENERATOR
-    previous = global_state.get_global_attribute(key)
+    previous = keras_internals.global_seed_generator()
     _python_random.seed(int(seed))
-    global_state.set_global_attribute(key, keras.random.SeedGenerator(int(seed)))
+    keras_internals.set_global_seed_generator(keras.random.SeedGenerator(int(seed)))
     try:
         yield
     finally:
         _python_random.setstate(state)
-        global_state.set_global_attribute(key, previous)
+        keras_internals.set_global_seed_generator(previous)
 
 
 def tiny_gpt2_causal_lm(texts=None, vocabulary_size=512, num_layers=2, hidden_dim=32,

@@ -35,9 +35,10 @@ def _pretokenize_batch(strings, lowercase, strip_accents, nfkc):
     """
     import tensorflow_text as tf_text  # noqa: PLC0415
     # The exact function KerasHub's WordPieceTokenizer calls on its input, so the
-    # histogram's words are the words the tokenizer will see (private API of the
-    # pinned keras-hub; the public tokenizer offers no word-level output).
-    from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize  # noqa: PLC0415
+    # histogram's words are the words the tokenizer will see.
+    from keras_dp_lm.training import keras_internals  # noqa: PLC0415
+
+    pretokenize = keras_internals.keras_hub_pretokenize()
 
     text = tf.convert_to_tensor(strings, dtype=tf.string)
     if nfkc and not lowercase:  # case_fold_utf8 already applies NFKC

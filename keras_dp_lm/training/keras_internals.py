@@ -31,6 +31,7 @@ from keras.src.backend import get_keras_mask  # noqa: E402
 from keras.src.backend.common import global_state  # noqa: E402
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: E402
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank  # noqa: E402
+from keras.src.random import seed_generator as _seed_generator  # noqa: E402
 from keras.src.losses.loss import standardize_reduction  # noqa: E402
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
 from keras.src.trainers.trainer import Trainer  # noqa: E402
@@ -42,6 +43,10 @@ __all__ = [
     "TensorFlowTrainer",
     "Trainer",
     "get_keras_mask",
+    "global_seed_generator",
+    "keras_hub_layer",
+    "keras_hub_pretokenize",
+    "set_global_seed_generator",
     "squeeze_or_expand_to_same_rank",
     "standardize_reduction",
     "tree",
@@ -94,3 +99,49 @@ def restore_name_counters(counters):
 
     global_state.set_global_attribute("object_name_uids",
                                       collections.defaultdict(int, counters))
+
+
+def global_seed_generator():
+    """Keras's global ``SeedGenerator`` (layers without a seed draw from it), or None."""
+    return global_state.get_global_attribute(_seed_generator.GLOBAL_SEED_GENERATOR)
+
+
+def set_global_seed_generator(generator):
+    """Replace Keras's global ``SeedGenerator`` (``None`` resets it)."""
+    global_state.set_global_attribute(_seed_generator.GLOBAL_SEED_GENERATOR, generator)
+
+
+# KerasHub layer classes fast clipping has rules for, by the name
+# keras_hub_layer takes: (module of KerasHub's private tree, class name).
+_KERAS_HUB_LAYERS = {
+    "PositionEmbedding": ("keras_hub.src.layers.modeling.position_embedding",
+                          "PositionEmbedding"),
+    "LlamaLayerNorm": ("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm"),
+    "RMSNormalization": ("keras_hub.src.layers.modeling.rms_normalization",
+                         "RMSNormalization"),
+    "GemmaRMSNormalization": ("keras_hub.src.models.gemma.rms_normalization",
+                              "RMSNormalization"),
+    "MaskedLMHead": ("keras_hub.src.layers.modeling.masked_lm_head", "MaskedLMHead"),
+    "ReversibleEmbedding": ("keras_hub.src.layers.modeling.reversible_embedding",
+                            "ReversibleEmbedding"),
+}
+
+
+def keras_hub_layer(name):
+    """KerasHub's layer class ``name`` (a key of ``_KERAS_HUB_LAYERS``), or
+    None when KerasHub is missing or has moved it."""
+    path, attr = _KERAS_HUB_LAYERS[name]
+    try:
+        import importlib
+        return getattr(importlib.import_module(path), attr)
+    except Exception:  # pragma: no cover - keras_hub missing or moved
+        return None
+
+
+def keras_hub_pretokenize():
+    """The function KerasHub's ``WordPieceTokenizer`` splits its input with
+    (private API of the pinned keras-hub; the public tokenizer offers no
+    word-level output)."""
+    from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize
+    return pretokenize
+
