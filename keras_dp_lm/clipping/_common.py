@@ -5,11 +5,11 @@ import functools
 import tensorflow as tf
 
 
-def _static(dim):
+def static_dim(dim):
     return dim if isinstance(dim, int) else None
 
 
-def _prod(dims):
+def product_of(dims):
     out = 1
     for d in dims:
         if d is None:
@@ -18,7 +18,7 @@ def _prod(dims):
     return out
 
 
-def _or(value, default):
+def value_or(value, default):
     return default if value is None else value
 
 
@@ -55,7 +55,7 @@ def _weighted_sum(c, per):
     return tf.reshape(tf.matmul(c[None, :], flat), rest)
 
 
-def _reduce_to_shape(g, shape):
+def reduce_to_shape(g, shape):
     """Per-example gradient of a variable of ``shape`` broadcast (right-aligned)
     against ``g`` = ``[B, ...]``: sum ``g`` over the broadcast axes."""
     rank, r = g.shape.rank, len(shape)
@@ -81,27 +81,19 @@ def _plain(layer):
             and "call" not in layer.__dict__)
 
 
-def _lora_enabled(layer):
+def lora_enabled(layer):
     return bool(getattr(layer, "lora_enabled", False))
 
 
-def _orig(layer):
+def original_call(layer):
     return functools.partial(type(layer).call, layer)
 
 
-def _inbound_shape(layer):
+def inbound_shape(layer):
     """Static input shape of a layer's first call in a functional graph, if any."""
     try:
         return tuple(layer._inbound_nodes[0].input_tensors[0].shape)
     except (AttributeError, IndexError, TypeError):
-        return None
-
-
-def _keras_hub_class(path, name):
-    try:
-        import importlib
-        return getattr(importlib.import_module(path), name)
-    except Exception:  # pragma: no cover - keras_hub missing or moved
         return None
 
 

@@ -4,13 +4,13 @@ import collections
 
 from keras_dp_lm.clipping._common import _layer_desc
 from keras_dp_lm.clipping._common import _plain
-from keras_dp_lm.clipping._common import _prod
-from keras_dp_lm.clipping._common import _static
+from keras_dp_lm.clipping._common import product_of
+from keras_dp_lm.clipping._common import static_dim
 from keras_dp_lm.clipping._common import _var_path
 from keras_dp_lm.clipping.fast import _LAST_DECISIONS
 from keras_dp_lm.clipping.fast import _LAST_REASONS
 from keras_dp_lm.clipping.recording import _Plan
-from keras_dp_lm.clipping.registry import _RULES_BY_CLASS
+from keras_dp_lm.clipping.registry import _rules
 from keras_dp_lm.clipping.registry import _lora_unsupported
 
 def clipping_coverage(model, sequence_length=None, batch_size=None):
@@ -63,10 +63,10 @@ def exact_reason(model, variable):
         return "not created by a layer"
     if not _plain(layer):
         return "quantized or per-instance call"
-    if _lora_unsupported(_RULES_BY_CLASS.get(type(layer)), layer):
+    if _lora_unsupported(_rules().get(type(layer)), layer):
         return f"LoRA on {type(layer).__name__}: its rule does not describe LoRA adapters"
-    if type(layer) not in _RULES_BY_CLASS:
-        parents = [c.__name__ for c in type(layer).__mro__[1:] if c in _RULES_BY_CLASS]
+    if type(layer) not in _rules():
+        parents = [c.__name__ for c in type(layer).__mro__[1:] if c in _rules()]
         if parents:
             return (f"{type(layer).__name__} subclasses {parents[0]} but is not registered "
                     "(register_clipping_rule): a subclass may change the computation")
@@ -83,7 +83,7 @@ def coverage_report(model, sequence_length=None, batch_size=None):
     for v in plan.trainable:
         path = _var_path(v)
         layer = plan.owners.get(id(v))
-        size = _prod([_static(s) for s in v.shape]) or 0
+        size = product_of([static_dim(s) for s in v.shape]) or 0
         counts[cov[path]] += size
         rows.append((path, _layer_desc(layer) if layer is not None else "-",
                      "x".join(str(s) for s in v.shape), cov[path],

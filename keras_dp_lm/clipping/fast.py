@@ -64,7 +64,7 @@ import weakref
 import tensorflow as tf
 
 from keras_dp_lm.clipping._common import _as_float
-from keras_dp_lm.clipping._common import _static
+from keras_dp_lm.clipping._common import static_dim
 from keras_dp_lm.clipping._common import _var_path
 from keras_dp_lm.clipping._common import _weighted_sum
 from keras_dp_lm.clipping.exact import tf_variable
@@ -196,7 +196,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         for call, g in zip(calls, gz):
             call.g = tf.convert_to_tensor(g)
 
-    rows = _static(losses.shape[0]) if losses.shape.rank else None
+    rows = static_dim(losses.shape[0]) if losses.shape.rank else None
     B = rows if rows is not None else tf.shape(losses)[0]
     if k > 1 and rows is not None and rows % k:
         raise PrivacyRefusalError(f"The batch has {rows} rows, not a multiple of "

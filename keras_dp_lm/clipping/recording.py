@@ -15,9 +15,9 @@ import threading
 import tensorflow as tf
 
 from keras_dp_lm.clipping._common import _layer_desc
-from keras_dp_lm.clipping._common import _orig
+from keras_dp_lm.clipping._common import original_call
 from keras_dp_lm.clipping._common import _var_path
-from keras_dp_lm.clipping.ghost import _Call
+from keras_dp_lm.clipping.contributions import _Call
 from keras_dp_lm.clipping.registry import _rule_for
 
 class _Plan:
@@ -123,14 +123,14 @@ def _make_wrapper(layer):
         rec = _active()
         entry = rec.plan.layers.get(id(layer)) if rec is not None else None
         if entry is None:
-            return _orig(layer)(*args, **kwargs)
+            return original_call(layer)(*args, **kwargs)
         reason = ("called inside another covered layer's computation (e.g. as its "
                   "activation)" if rec.depth > 0 else rec.foreign_context())
         if reason is not None:
             # The rule describes this layer's own call only: fall back to exact
             # per-example gradients for its variables.
             rec.mark_layer_bad(layer, entry[1], reason)
-            return _orig(layer)(*args, **kwargs)
+            return original_call(layer)(*args, **kwargs)
         rec.depth += 1
         try:
             ctx = rec.detect.stop_recording() if rec.detect is not None else contextlib.nullcontext()

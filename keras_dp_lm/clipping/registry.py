@@ -1,25 +1,31 @@
 """Which layer classes fast clipping covers, and the public way to add one."""
 
-import keras
-
-from keras_dp_lm.clipping._common import _keras_hub_class
-from keras_dp_lm.clipping._common import _lora_enabled
 from keras_dp_lm.clipping._common import _plain
-from keras_dp_lm.clipping.rules.conv import _ConvRule
-from keras_dp_lm.clipping.rules.dense import _DenseRule
-from keras_dp_lm.clipping.rules.einsum_dense import _EinsumDenseRule
-from keras_dp_lm.clipping.rules.embedding import _EmbeddingRule
-from keras_dp_lm.clipping.rules.embedding import _PositionEmbeddingRule
-from keras_dp_lm.clipping.rules.masked_lm_head import _MaskedLMHeadRule
-from keras_dp_lm.clipping.rules.normalization import _GroupNormRule
-from keras_dp_lm.clipping.rules.normalization import _LayerNormRule
-from keras_dp_lm.clipping.rules.normalization import _RMSNormRule
+from keras_dp_lm.clipping._common import lora_enabled
 
 _RULES_BY_CLASS = {}
+# The built-in rules register themselves on import (the end of this module);
+# those for KerasHub's classes on first use (_rules).
+_BUILTINS = {"importing": True, "keras_hub": False}
 
 
-def register_clipping_rule(layer_class, rule):
+def _rules():
+    """``_RULES_BY_CLASS``, the built-in rules for KerasHub's classes registered
+    (once, before any other registration: keras_dp_lm.training.keras_internals,
+    which finds them, cannot be imported while keras_dp_lm.clipping is)."""
+    if not _BUILTINS["importing"] and not _BUILTINS["keras_hub"]:
+        _BUILTINS["keras_hub"] = True
+        from keras_dp_lm.clipping.rules import register_keras_hub_rules
+        register_keras_hub_rules()
+    return _RULES_BY_CLASS
+
+
+def register_clipping_rule(layer_class, rule=None):
     """Declare how fast clipping handles ``layer_class`` (exactly that class).
+
+    Called with ``layer_class`` alone, it is a class decorator that registers
+    the rule class it decorates (and returns it unchanged), as the built-in
+    rules in :mod:`keras_dp_lm.clipping.rules` are registered.
 
     Fast clipping claims a layer only when ``type(layer)`` is a registered
     class: a subclass may change the forward computation (a reparametrised
@@ -48,69 +54,42 @@ def register_clipping_rule(layer_class, rule):
     """
     if not isinstance(layer_class, type):
         raise TypeError(f"`layer_class` must be a class, got {layer_class!r}.")
-    if isinstance(rule, type) and rule in _RULES_BY_CLASS:
-        rule = _RULES_BY_CLASS[rule]
+    if rule is None:
+        def register(rule):
+            register_clipping_rule(layer_class, rule)
+            return rule
+        return register
+    rules = _rules()
+    if isinstance(rule, type) and rule in rules:
+        rule = rules[rule]
     for method in ("variables", "forward", "static_method", "matches"):
         if not callable(getattr(rule, method, None)):
             raise TypeError(
-                f"`rule` must be a covered layer class ({', '.join(sorted(c.__name__ for c in _RULES_BY_CLASS))}) "
+                f"`rule` must be a covered layer class ({', '.join(sorted(c.__name__ for c in rules))}) "
                 f"or a rule object with a `{method}` method, got {rule!r}.")
-    _RULES_BY_CLASS[layer_class] = rule
-
-
-def _register_builtin_rules():
-    rules = [(keras.layers.Dense, _DenseRule), (keras.layers.EinsumDense, _EinsumDenseRule),
-             (keras.layers.Embedding, _EmbeddingRule),
-             (keras.layers.LayerNormalization, _LayerNormRule),
-             (keras.layers.GroupNormalization, _GroupNormRule),
-             (keras.layers.Conv1D, _ConvRule), (keras.layers.Conv2D, _ConvRule)]
-    for name in ("ReversibleEmbedding",):
-        if hasattr(keras.layers, name):
-            rules.append((getattr(keras.layers, name), _EmbeddingRule))
-    if hasattr(keras.layers, "RMSNormalization"):
-        rules.append((keras.layers.RMSNormalization, _RMSNormRule))
-    hub = [("keras_hub.src.layers.modeling.position_embedding", "PositionEmbedding",
-            _PositionEmbeddingRule, None),
-           ("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm", _RMSNormRule, None),
-           ("keras_hub.src.layers.modeling.rms_normalization", "RMSNormalization",
-            _RMSNormRule, None),
-           ("keras_hub.src.models.gemma.rms_normalization", "RMSNormalization",
-            _RMSNormRule, None),
-           ("keras_hub.src.layers.modeling.masked_lm_head", "MaskedLMHead",
-            _MaskedLMHeadRule, None),
-           # KerasHub's subclass adds preset plumbing only: the contract is that it
-           # inherits Keras's computation unchanged, checked here.
-           ("keras_hub.src.layers.modeling.reversible_embedding", "ReversibleEmbedding",
-            _EmbeddingRule, getattr(keras.layers, "ReversibleEmbedding", None))]
-    for path, name, rule, base in hub:
-        cls = _keras_hub_class(path, name)
-        if cls is None:
-            continue
-        if base is not None and not all(
-                getattr(cls, attr, None) is getattr(base, attr, None)
-                for attr in ("call", "embeddings", "build")):
-            continue
-        rules.append((cls, rule))
-    for cls, rule in rules:
-        _RULES_BY_CLASS.setdefault(cls, rule)
-
-
-_register_builtin_rules()
+    rules[layer_class] = rule
 
 
 def _lora_unsupported(rule, layer):
     """A LoRA layer whose rule does not declare ``lora = True`` (it would describe
     the base computation only)."""
-    return rule is not None and _lora_enabled(layer) and not getattr(rule, "lora", False)
+    return rule is not None and lora_enabled(layer) and not getattr(rule, "lora", False)
 
 
 def _rule_for(layer):
     if not getattr(layer, "built", False) or not _plain(layer):
         return None
-    rule = _RULES_BY_CLASS.get(type(layer))
+    rule = _rules().get(type(layer))
     if _lora_unsupported(rule, layer):
         return None
     try:
         return rule if rule is not None and rule.matches(layer) else None
     except AttributeError:
         return None
+
+
+# The built-in rules register themselves with the decorator above, in the
+# order rules/__init__.py imports them.
+import keras_dp_lm.clipping.rules  # noqa: E402,F401
+
+_BUILTINS["importing"] = False

@@ -30,9 +30,9 @@ Example:
 
 import tensorflow as tf
 
-from keras_dp_lm.clipping._common import _or
-from keras_dp_lm.clipping._common import _prod
-from keras_dp_lm.clipping._common import _static
+from keras_dp_lm.clipping._common import value_or
+from keras_dp_lm.clipping._common import product_of
+from keras_dp_lm.clipping._common import static_dim
 
 # Roundings of a float32 sum of squares over an axis of unknown length.
 _UNKNOWN_LENGTH = 2**16
@@ -97,12 +97,12 @@ def squares_allowance(per, sq_norm):
     sum (``u`` the unit roundoff) in any order; ``n`` is the last axis's
     length where the rest sums in float64, else every non-batch axis's.
     """
-    dims = [_static(s) for s in per.shape[1:]]
-    size = _prod([_or(d, _UNKNOWN_LENGTH) for d in dims]) if dims else 1
+    dims = [static_dim(s) for s in per.shape[1:]]
+    size = product_of([value_or(d, _UNKNOWN_LENGTH) for d in dims]) if dims else 1
     if not dims:
         length = 0
     elif exact_sums():
-        length = _or(dims[-1], _UNKNOWN_LENGTH)
+        length = value_or(dims[-1], _UNKNOWN_LENGTH)
     else:
         length = size
     return squares_error(sq_norm, length, size)
@@ -115,7 +115,7 @@ def squares_error(sq, length, count):
     (partial sums of non-negative terms are never subnormal, so only the
     squares flush)."""
     sq = tf.abs(sq)
-    length, count = _or(length, _UNKNOWN_LENGTH), _or(count, _UNKNOWN_LENGTH)
+    length, count = value_or(length, _UNKNOWN_LENGTH), value_or(count, _UNKNOWN_LENGTH)
     return (tf.cast(unit_roundoff() * (length + _SLACK), sq.dtype) * sq
             + tf.cast(count * 2.0 ** -126, sq.dtype))
 

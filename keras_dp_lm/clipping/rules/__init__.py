@@ -8,9 +8,34 @@ output gradient. It has four static methods:
 - ``variables(layer)``: the trainable variables it covers;
 - ``forward(layer, recorder, *args, **kwargs)``: the layer's output, computed
   as the layer computes it, adding one contribution per use of a variable
-  (:mod:`keras_dp_lm.clipping.ghost`) to ``recorder``;
+  (:mod:`keras_dp_lm.clipping.contributions`) to ``recorder``;
 - ``static_method(layer, variable, T, B)``: ``"ghost"`` or ``"instantiate"``,
   the expected choice for the coverage report.
 
-Rules are bound to exact classes by :func:`keras_dp_lm.clipping.register_clipping_rule`.
+Each rule binds itself to exact classes with the public decorator
+:func:`keras_dp_lm.clipping.register_clipping_rule`, as a custom rule does;
+importing this package registers them all (:mod:`keras_dp_lm.clipping.registry`
+imports it; KerasHub's classes are registered on first use,
+:func:`register_keras_hub_rules`).
 """
+
+from keras_dp_lm.clipping.rules import dense  # noqa: F401
+from keras_dp_lm.clipping.rules import einsum_dense  # noqa: F401
+from keras_dp_lm.clipping.rules import embedding  # noqa: F401
+from keras_dp_lm.clipping.rules import normalization  # noqa: F401
+from keras_dp_lm.clipping.rules import conv  # noqa: F401
+from keras_dp_lm.clipping.rules import masked_lm_head  # noqa: F401
+
+
+def register_keras_hub_rules():
+    """Register the built-in rules for KerasHub's layer classes.
+
+    They are found through :mod:`keras_dp_lm.training.keras_internals`, which
+    cannot be imported while :mod:`keras_dp_lm.clipping` is (``keras_dp_lm.training``
+    imports it), so :mod:`keras_dp_lm.clipping.registry` calls this on first use.
+    """
+    from keras_dp_lm.training.keras_internals import keras_hub_layer
+
+    embedding.register_keras_hub_rules(keras_hub_layer)
+    normalization.register_keras_hub_rules(keras_hub_layer)
+    masked_lm_head.register_keras_hub_rules(keras_hub_layer)

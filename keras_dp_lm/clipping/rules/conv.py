@@ -2,23 +2,25 @@
 
 import itertools
 
+import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_dp_lm.clipping._common import _inbound_shape
-from keras_dp_lm.clipping._common import _or
-from keras_dp_lm.clipping._common import _orig
-from keras_dp_lm.clipping._common import _prod
-from keras_dp_lm.clipping._common import _reduce_to_shape
-from keras_dp_lm.clipping._common import _static
-from keras_dp_lm.clipping.ghost import _Linear
-from keras_dp_lm.clipping.ghost import _PerExample
-from keras_dp_lm.clipping.ghost import _static_linear
+from keras_dp_lm.clipping._common import inbound_shape
+from keras_dp_lm.clipping._common import value_or
+from keras_dp_lm.clipping._common import original_call
+from keras_dp_lm.clipping._common import product_of
+from keras_dp_lm.clipping._common import reduce_to_shape
+from keras_dp_lm.clipping._common import static_dim
+from keras_dp_lm.clipping.contributions import Linear
+from keras_dp_lm.clipping.contributions import PerExample
+from keras_dp_lm.clipping.ghost import static_linear
+from keras_dp_lm.clipping.registry import register_clipping_rule
 
 
 def _dim(x, axis):
     """``x.shape[axis]`` as an int when static, else a scalar tensor."""
-    return _or(_static(x.shape[axis]), tf.shape(x)[axis])
+    return value_or(static_dim(x.shape[axis]), tf.shape(x)[axis])
 
 
 def _same_pads(size, out, k, s, d):
@@ -52,23 +54,25 @@ def _patches(layer, x, z, padding):
 def _conv_contribution(layer, call, x, z, padding):
     """The kernel ``[*k, cin, cout]`` as a linear map of the unfolded input."""
     kshape = [int(s) for s in layer._kernel.shape]
-    m, n = _prod(kshape[:-1]), kshape[-1]
-    T = _prod([_static(s) for s in z.shape[1:-1]])
+    m, n = product_of(kshape[:-1]), kshape[-1]
+    T = product_of([static_dim(s) for s in z.shape[1:-1]])
     key = ("conv-x", x.ref(), tuple(layer.kernel_size), tuple(layer.strides),
            tuple(layer.dilation_rate), padding, T, m)
 
     def factors(g, x=x, z=z):
         P = _patches(layer, x, z, padding)
-        return (tf.reshape(P, [-1, 1, _or(T, -1), m]),
-                tf.reshape(tf.cast(g, x.dtype), [-1, 1, _or(T, -1), n]))
+        return (tf.reshape(P, [-1, 1, value_or(T, -1), m]),
+                tf.reshape(tf.cast(g, x.dtype), [-1, 1, value_or(T, -1), n]))
 
     def to_var(mat, batched):
         return tf.reshape(mat, ([-1] if batched else []) + kshape)
 
-    return _Linear(layer._kernel, call, factors, to_var, (1, m, T, n),
+    return Linear(layer._kernel, call, factors, to_var, (1, m, T, n),
                    layout=("conv", layer.rank, tuple(kshape)), keys=(key, None))
 
 
+@register_clipping_rule(keras.layers.Conv2D)
+@register_clipping_rule(keras.layers.Conv1D)
 class _ConvRule:
     """``z = conv(x, W) + b`` (channels_last, ``groups=1``; padding "valid",
     "same" or Conv1D's "causal"; strides and dilation).
@@ -108,7 +112,7 @@ class _ConvRule:
         reason = _ConvRule._unsupported(layer, x.shape.rank)
         if reason is not None:
             rec.mark_layer_bad(layer, _ConvRule, reason)
-            return _orig(layer)(inputs)
+            return original_call(layer)(inputs)
         padding = layer.padding
         if padding == "causal":   # Conv1D: left-pad, then a "valid" convolution
             left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
@@ -122,13 +126,13 @@ class _ConvRule:
         if call is not None:
             rec.add(_conv_contribution(layer, call, tf.convert_to_tensor(x), z, padding))
             if layer.use_bias:
-                rec.add(_PerExample(layer.bias, call,
-                                    lambda g, s=(layer.filters,): _reduce_to_shape(g, s)))
+                rec.add(PerExample(layer.bias, call,
+                                    lambda g, s=(layer.filters,): reduce_to_shape(g, s)))
         return layer.activation(z) if layer.activation is not None else z
 
     @staticmethod
     def static_method(layer, var, T, B):
-        shape = _inbound_shape(layer)
+        shape = inbound_shape(layer)
         if _ConvRule._unsupported(layer, len(shape) if shape is not None else None):
             return "exact"
         if var is layer.bias:
@@ -137,7 +141,7 @@ class _ConvRule:
         if shape is not None:
             try:
                 out = layer.compute_output_shape(shape)
-                T = _prod([_static(s) for s in out[1:-1]]) or T
+                T = product_of([static_dim(s) for s in out[1:-1]]) or T
             except (ValueError, TypeError):
                 pass
-        return _static_linear(1, _prod(kshape[:-1]), kshape[-1], T, B)
+        return static_linear(1, product_of(kshape[:-1]), kshape[-1], T, B)

@@ -1,32 +1,34 @@
 """Fast-clipping rule for ``keras.layers.Dense``, LoRA adapters included."""
 
+import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_dp_lm.clipping._common import _inbound_shape
-from keras_dp_lm.clipping._common import _lora_enabled
-from keras_dp_lm.clipping._common import _or
-from keras_dp_lm.clipping._common import _prod
-from keras_dp_lm.clipping._common import _reduce_to_shape
-from keras_dp_lm.clipping._common import _static
-from keras_dp_lm.clipping.ghost import _Linear
-from keras_dp_lm.clipping.ghost import _PerExample
-from keras_dp_lm.clipping.ghost import _static_linear
+from keras_dp_lm.clipping._common import inbound_shape
+from keras_dp_lm.clipping._common import lora_enabled
+from keras_dp_lm.clipping._common import value_or
+from keras_dp_lm.clipping._common import product_of
+from keras_dp_lm.clipping._common import reduce_to_shape
+from keras_dp_lm.clipping._common import static_dim
+from keras_dp_lm.clipping.contributions import Linear
+from keras_dp_lm.clipping.contributions import PerExample
+from keras_dp_lm.clipping.ghost import static_linear
+from keras_dp_lm.clipping.registry import register_clipping_rule
 
 
 def _matmul_contribution(var, call, x):
     """The contribution of ``var`` [din, dout] used as ``z = x @ var`` (``call`` watches z)."""
     din, dout = (int(s) for s in var.shape)
-    T = _prod([_static(s) for s in x.shape[1:-1]])
+    T = product_of([static_dim(s) for s in x.shape[1:-1]])
 
     def factors(g, x=x):
-        return (tf.reshape(x, [-1, 1, _or(T, -1), din]),
-                tf.reshape(tf.cast(g, x.dtype), [-1, 1, _or(T, -1), dout]))
+        return (tf.reshape(x, [-1, 1, value_or(T, -1), din]),
+                tf.reshape(tf.cast(g, x.dtype), [-1, 1, value_or(T, -1), dout]))
 
     def to_var(mat, batched):
         return tf.reshape(mat, ([-1] if batched else []) + [din, dout])
 
-    return _Linear(var, call, factors, to_var, (1, din, T, dout),
+    return Linear(var, call, factors, to_var, (1, din, T, dout),
                    layout=("dense", din, dout), keys=(("dense-x", x.ref(), T, din), None))
 
 
@@ -34,6 +36,7 @@ def _lora_scale(layer):
     return layer.lora_alpha / layer.lora_rank
 
 
+@register_clipping_rule(keras.layers.Dense)
 class _DenseRule:
     """``z = x @ W + b``; with LoRA ``z = x @ W + s (x @ A) @ B + b``.
 
@@ -54,14 +57,14 @@ class _DenseRule:
     @staticmethod
     def variables(layer):
         vs = [layer._kernel, layer.bias]
-        if _lora_enabled(layer):
+        if lora_enabled(layer):
             vs += [layer.lora_kernel_a, layer.lora_kernel_b]
         return [v for v in vs if v is not None]
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
         x = tf.convert_to_tensor(inputs)
-        if _lora_enabled(layer):
+        if lora_enabled(layer):
             z = ops.matmul(x, layer._kernel)
             u = ops.matmul(x, ops.cast(layer.lora_kernel_a, x.dtype))
             call_u = rec.new_call(layer, u)
@@ -74,13 +77,13 @@ class _DenseRule:
         call = rec.new_call(layer, z)
         if call is not None:
             rec.add(_matmul_contribution(layer._kernel, call, x))
-            if _lora_enabled(layer):
+            if lora_enabled(layer):
                 rec.add(_matmul_contribution(layer.lora_kernel_a, call_u, x))
                 rec.add(_matmul_contribution(layer.lora_kernel_b, call, su))
             if layer.bias is not None:
                 shape = tuple(int(s) for s in layer.bias.shape)
-                rec.add(_PerExample(layer.bias, call,
-                                    lambda g, s=shape: _reduce_to_shape(g, s)))
+                rec.add(PerExample(layer.bias, call,
+                                    lambda g, s=shape: reduce_to_shape(g, s)))
         return layer.activation(z) if layer.activation is not None else z
 
     @staticmethod
@@ -88,8 +91,8 @@ class _DenseRule:
         if var is layer.bias:
             return "instantiate"
         din, dout = (int(s) for s in var.shape)
-        shape = _inbound_shape(layer)
+        shape = inbound_shape(layer)
         if shape is not None:
-            dims = [_static(s) for s in shape[1:-1]]
-            T = 1 if not dims else (_prod(dims) or T)
-        return _static_linear(1, din, dout, T, B)
+            dims = [static_dim(s) for s in shape[1:-1]]
+            T = 1 if not dims else (product_of(dims) or T)
+        return static_linear(1, din, dout, T, B)

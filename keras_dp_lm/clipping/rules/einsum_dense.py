@@ -2,18 +2,20 @@
 
 import string
 
+import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_dp_lm.clipping._common import _inbound_shape
-from keras_dp_lm.clipping._common import _lora_enabled
-from keras_dp_lm.clipping._common import _or
-from keras_dp_lm.clipping._common import _prod
-from keras_dp_lm.clipping._common import _reduce_to_shape
-from keras_dp_lm.clipping._common import _static
-from keras_dp_lm.clipping.ghost import _Linear
-from keras_dp_lm.clipping.ghost import _PerExample
-from keras_dp_lm.clipping.ghost import _static_linear
+from keras_dp_lm.clipping._common import inbound_shape
+from keras_dp_lm.clipping._common import lora_enabled
+from keras_dp_lm.clipping._common import value_or
+from keras_dp_lm.clipping._common import product_of
+from keras_dp_lm.clipping._common import reduce_to_shape
+from keras_dp_lm.clipping._common import static_dim
+from keras_dp_lm.clipping.contributions import Linear
+from keras_dp_lm.clipping.contributions import PerExample
+from keras_dp_lm.clipping.ghost import static_linear
+from keras_dp_lm.clipping.registry import register_clipping_rule
 
 
 def _split(equation):
@@ -70,9 +72,9 @@ def _einsum_contribution(rec, var, call, x, equation):
     sh = [size[c] for c in p["shared"]]
     ins = [size[c] for c in p["ins"]]
     outs = [size[c] for c in p["outs"]]
-    H, m, n = _prod(sh), _prod(ins), _prod(outs)
+    H, m, n = product_of(sh), product_of(ins), product_of(outs)
     pos = dict(zip(p["inp"], x.shape))
-    T = _prod([_static(pos[c]) for c in p["seq"]])
+    T = product_of([static_dim(pos[c]) for c in p["seq"]])
     xs = f"{p['inp']}->{p['b']}{''.join(p['shared'] + p['seq'] + p['ins'])}"
     ys = f"{p['out']}->{p['b']}{''.join(p['shared'] + p['seq'] + p['outs'])}"
     order = p["shared"] + p["ins"] + p["outs"]
@@ -82,8 +84,8 @@ def _einsum_contribution(rec, var, call, x, equation):
         X = tf.einsum(xs, x) if xs.split("->")[0] != xs.split("->")[1] else x
         Y = tf.cast(g, x.dtype)
         Y = tf.einsum(ys, Y) if ys.split("->")[0] != ys.split("->")[1] else Y
-        return (tf.reshape(X, [-1, H, _or(T, -1), m]),
-                tf.reshape(Y, [-1, H, _or(T, -1), n]))
+        return (tf.reshape(X, [-1, H, value_or(T, -1), m]),
+                tf.reshape(Y, [-1, H, value_or(T, -1), n]))
 
     def to_var(mat, batched):
         lead = [-1] if batched else []
@@ -92,7 +94,7 @@ def _einsum_contribution(rec, var, call, x, equation):
             mat = tf.transpose(mat, ([0] + [1 + q for q in perm]) if batched else perm)
         return mat
 
-    rec.add(_Linear(var, call, factors, to_var, (H, m, T, n),
+    rec.add(Linear(var, call, factors, to_var, (H, m, T, n),
                     layout=("einsum", equation, tuple(kshape)),
                     keys=(("einsum-x", x.ref(), xs, H, T, m), None)))
 
@@ -119,6 +121,7 @@ def _lora_equations(equation):
     return f"{inp},{ker[:-1]}{r}->{out_a}", f"{out_a},{r}{last}->{out}"
 
 
+@register_clipping_rule(keras.layers.EinsumDense)
 class _EinsumDenseRule:
     """``z = einsum(eq, x, W) + b``; with LoRA ``einsum(eq, x, W)`` plus
     ``einsum(eq_b, s einsum(eq_a, x, A), B)`` (the same function as Keras's
@@ -135,14 +138,14 @@ class _EinsumDenseRule:
     @staticmethod
     def variables(layer):
         vs = [layer._kernel, layer.bias]
-        if _lora_enabled(layer):
+        if lora_enabled(layer):
             vs += [layer.lora_kernel_a, layer.lora_kernel_b]
         return [v for v in vs if v is not None]
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
         x = tf.convert_to_tensor(inputs)
-        lora = _lora_enabled(layer)
+        lora = lora_enabled(layer)
         eqs = _lora_equations(layer.equation) if lora else None
         if lora and eqs is None:
             z = ops.einsum(layer.equation, x, layer.kernel)   # Keras's merged kernel
@@ -170,8 +173,8 @@ class _EinsumDenseRule:
                 if z.shape.rank - len(shape) < 1:
                     rec.mark_bad(layer.bias, "bias spans the batch axis")
                 else:
-                    rec.add(_PerExample(layer.bias, call,
-                                        lambda g, s=shape: _reduce_to_shape(g, s)))
+                    rec.add(PerExample(layer.bias, call,
+                                        lambda g, s=shape: reduce_to_shape(g, s)))
         return layer.activation(z) if layer.activation is not None else z
 
     @staticmethod
@@ -180,7 +183,7 @@ class _EinsumDenseRule:
             return "instantiate"
         inp = layer.equation.replace(" ", "").split(",")[0]
         rank = len(inp) - 1 if "..." in inp else len(inp)  # "..." -> batch + seq
-        shape = _inbound_shape(layer)
+        shape = inbound_shape(layer)
         rank = len(shape) if shape is not None else rank
         p = _einsum_parts(layer.equation, rank)
         if p is None:
@@ -188,7 +191,7 @@ class _EinsumDenseRule:
         # Letter sizes: the kernel's, and the input's where static.
         sizes = dict(zip(p["ker"], (int(s) for s in layer._kernel.shape)))
         if shape is not None:
-            sizes.update({c: _static(d) for c, d in zip(p["inp"], shape) if c not in sizes})
+            sizes.update({c: static_dim(d) for c, d in zip(p["inp"], shape) if c not in sizes})
         equation, in_letters = layer.equation, p["inp"]
         if var is not layer._kernel:   # a LoRA factor
             eqs = _lora_equations(layer.equation)
@@ -205,8 +208,8 @@ class _EinsumDenseRule:
         if q is None:
             return "exact"
         size = dict(zip(q["ker"], (int(s) for s in var.shape)))
-        H = _prod([size[c] for c in q["shared"]])
-        m = _prod([size[c] for c in q["ins"]])
-        n = _prod([size[c] for c in q["outs"]])
-        seq = _prod([_or(sizes.get(c), T) for c in q["seq"]]) if q["seq"] else 1
-        return _static_linear(H, m, n, seq, B)
+        H = product_of([size[c] for c in q["shared"]])
+        m = product_of([size[c] for c in q["ins"]])
+        n = product_of([size[c] for c in q["outs"]])
+        seq = product_of([value_or(sizes.get(c), T) for c in q["seq"]]) if q["seq"] else 1
+        return static_linear(H, m, n, seq, B)

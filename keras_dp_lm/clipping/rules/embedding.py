@@ -4,17 +4,19 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_dp_lm.clipping._common import _lora_enabled
-from keras_dp_lm.clipping._common import _or
-from keras_dp_lm.clipping._common import _orig
-from keras_dp_lm.clipping._common import _prod
-from keras_dp_lm.clipping._common import _static
-from keras_dp_lm.clipping.ghost import _Linear
-from keras_dp_lm.clipping.ghost import _Lookup
-from keras_dp_lm.clipping.ghost import _static_linear
+from keras_dp_lm.clipping._common import lora_enabled
+from keras_dp_lm.clipping._common import value_or
+from keras_dp_lm.clipping._common import original_call
+from keras_dp_lm.clipping._common import product_of
+from keras_dp_lm.clipping._common import static_dim
+from keras_dp_lm.clipping.contributions import Linear
+from keras_dp_lm.clipping.contributions import Lookup
+from keras_dp_lm.clipping.ghost import static_linear
 from keras_dp_lm.clipping.rules.dense import _matmul_contribution
+from keras_dp_lm.clipping.registry import register_clipping_rule
 
 
+@register_clipping_rule(keras.layers.Embedding)
 class _EmbeddingRule:
     """keras Embedding and (keras / KerasHub) ReversibleEmbedding, tied or not."""
 
@@ -35,7 +37,7 @@ class _EmbeddingRule:
         vs = [layer._embeddings]
         if _EmbeddingRule._reversible(layer) and not layer.tie_weights:
             vs.append(layer.reverse_embeddings)
-        if _lora_enabled(layer):
+        if lora_enabled(layer):
             vs += [layer.lora_embeddings_a, layer.lora_embeddings_b]
         return vs
 
@@ -54,8 +56,8 @@ class _EmbeddingRule:
                     ops.matmul(sa, ops.cast(layer.lora_embeddings_b, dtype)))
         call = rec.new_call(layer, z)
         if call is not None:
-            rec.add(_Lookup(layer._embeddings, call, ids))
-            rec.add(_Lookup(layer.lora_embeddings_a, call_a, ids))
+            rec.add(Lookup(layer._embeddings, call, ids))
+            rec.add(Lookup(layer.lora_embeddings_a, call_a, ids))
             rec.add(_matmul_contribution(layer.lora_embeddings_b, call, sa))
         return z
 
@@ -65,22 +67,22 @@ class _EmbeddingRule:
         if _EmbeddingRule._reversible(layer):
             reverse = kwargs.pop("reverse", args[0] if args else False)
             args = ()
-        lora = _lora_enabled(layer)
+        lora = lora_enabled(layer)
         if lora and (reverse or (_EmbeddingRule._reversible(layer) and layer.mask_zero)):
             # Not factored here: the tied reverse projection through a LoRA
             # table, and Keras masks set inside the call. Exact for the table.
             rec.mark_layer_bad(layer, _EmbeddingRule,
                                "LoRA ReversibleEmbedding used as a reverse projection "
                                "or with mask_zero")
-            return _orig(layer)(inputs, *args, reverse=True, **kwargs) if reverse else \
-                _orig(layer)(inputs, *args, **kwargs)
+            return original_call(layer)(inputs, *args, reverse=True, **kwargs) if reverse else \
+                original_call(layer)(inputs, *args, **kwargs)
         if lora:
             return _EmbeddingRule._lora_lookup(layer, rec, inputs)
         if not reverse:
-            z = _orig(layer)(inputs, *args, **kwargs)
+            z = original_call(layer)(inputs, *args, **kwargs)
             call = rec.new_call(layer, z)
             if call is not None:
-                rec.add(_Lookup(layer._embeddings, call, inputs))
+                rec.add(Lookup(layer._embeddings, call, inputs))
             return z
         x = tf.convert_to_tensor(inputs)
         if layer.tie_weights:
@@ -94,28 +96,28 @@ class _EmbeddingRule:
         call = rec.new_call(layer, z)
         if call is not None:
             V, d = layer.input_dim, layer.output_dim
-            T = _prod([_static(s) for s in x.shape[1:-1]])
+            T = product_of([static_dim(s) for s in x.shape[1:-1]])
 
             if layer.tie_weights:
                 def factors(g, x=x):
-                    return (tf.reshape(tf.cast(g, x.dtype), [-1, 1, _or(T, -1), V]),
-                            tf.reshape(x, [-1, 1, _or(T, -1), d]))
+                    return (tf.reshape(tf.cast(g, x.dtype), [-1, 1, value_or(T, -1), V]),
+                            tf.reshape(x, [-1, 1, value_or(T, -1), d]))
 
                 def to_var(mat, batched):
                     return tf.reshape(mat, ([-1] if batched else []) + [V, d])
 
-                rec.add(_Linear(layer._embeddings, call, factors, to_var, (1, V, T, d),
+                rec.add(Linear(layer._embeddings, call, factors, to_var, (1, V, T, d),
                                 layout=("rows", V, d), keys=(None, ("rev-h", x.ref(), T, d)),
                                 rows=True))
             else:
                 def factors(g, x=x):
-                    return (tf.reshape(x, [-1, 1, _or(T, -1), d]),
-                            tf.reshape(tf.cast(g, x.dtype), [-1, 1, _or(T, -1), V]))
+                    return (tf.reshape(x, [-1, 1, value_or(T, -1), d]),
+                            tf.reshape(tf.cast(g, x.dtype), [-1, 1, value_or(T, -1), V]))
 
                 def to_var(mat, batched):
                     return tf.reshape(mat, ([-1] if batched else []) + [d, V])
 
-                rec.add(_Linear(layer.reverse_embeddings, call, factors, to_var,
+                rec.add(Linear(layer.reverse_embeddings, call, factors, to_var,
                                 (1, d, T, V), layout=("dense", d, V),
                                 keys=(("dense-x", x.ref(), T, d), None)))
         if layer.logit_soft_cap is not None:
@@ -125,11 +127,11 @@ class _EmbeddingRule:
 
     @staticmethod
     def static_method(layer, var, T, B):
-        if var is layer._embeddings or (_lora_enabled(layer) and var is layer.lora_embeddings_a):
+        if var is layer._embeddings or (lora_enabled(layer) and var is layer.lora_embeddings_a):
             return "ghost"
-        if _lora_enabled(layer) and var is layer.lora_embeddings_b:
-            return _static_linear(1, layer.lora_rank, layer.output_dim, T, B)
-        return _static_linear(1, layer.output_dim, layer.input_dim, T, B)
+        if lora_enabled(layer) and var is layer.lora_embeddings_b:
+            return static_linear(1, layer.lora_rank, layer.output_dim, T, B)
+        return static_linear(1, layer.output_dim, layer.input_dim, T, B)
 
 
 class _PositionEmbeddingRule:
@@ -145,7 +147,7 @@ class _PositionEmbeddingRule:
 
     @staticmethod
     def forward(layer, rec, inputs, start_index=0, positions=None):
-        z = _orig(layer)(inputs, start_index=start_index, positions=positions)
+        z = original_call(layer)(inputs, start_index=start_index, positions=positions)
         call = rec.new_call(layer, z)
         if call is not None:
             if z.shape.rank != 3:
@@ -160,9 +162,29 @@ class _PositionEmbeddingRule:
                 distinct = False
             ids = tf.broadcast_to(ids if ids.shape.rank == 2 else ids[None], shape[:2])
             ids.set_shape(z.shape[:2])
-            rec.add(_Lookup(layer.position_embeddings, call, ids, distinct=distinct))
+            rec.add(Lookup(layer.position_embeddings, call, ids, distinct=distinct))
         return z
 
     @staticmethod
     def static_method(layer, var, T, B):
         return "ghost"
+
+
+if hasattr(keras.layers, "ReversibleEmbedding"):
+    register_clipping_rule(keras.layers.ReversibleEmbedding)(_EmbeddingRule)
+
+
+def register_keras_hub_rules(keras_hub_layer):
+    """Register this module's rules for KerasHub's layer classes (``keras_hub_layer``:
+    :func:`keras_dp_lm.training.keras_internals.keras_hub_layer`)."""
+    position = keras_hub_layer("PositionEmbedding")
+    if position is not None:
+        register_clipping_rule(position)(_PositionEmbeddingRule)
+    # KerasHub's subclass adds preset plumbing only: the contract is that it
+    # inherits Keras's computation unchanged, checked here.
+    reversible = keras_hub_layer("ReversibleEmbedding")
+    base = getattr(keras.layers, "ReversibleEmbedding", None)
+    if reversible is not None and all(
+            getattr(reversible, attr, None) is getattr(base, attr, None)
+            for attr in ("call", "embeddings", "build")):
+        register_clipping_rule(reversible)(_EmbeddingRule)

@@ -2,11 +2,12 @@
 
 from keras import ops
 
-from keras_dp_lm.clipping._common import _orig
-from keras_dp_lm.clipping._common import _reduce_to_shape
-from keras_dp_lm.clipping.ghost import _PerExample
-from keras_dp_lm.clipping.ghost import _static_linear
+from keras_dp_lm.clipping._common import original_call
+from keras_dp_lm.clipping._common import reduce_to_shape
+from keras_dp_lm.clipping.contributions import PerExample
+from keras_dp_lm.clipping.ghost import static_linear
 from keras_dp_lm.clipping.rules.dense import _matmul_contribution
+from keras_dp_lm.clipping.registry import register_clipping_rule
 
 
 class _MaskedLMHeadRule:
@@ -47,7 +48,7 @@ class _MaskedLMHeadRule:
                    for s in _MaskedLMHeadRule._sublayers(layer)):
             rec.mark_layer_bad(layer, _MaskedLMHeadRule,
                                "MaskedLMHead with an unregistered or modified sub-layer")
-            return _orig(layer)(inputs, mask_positions)
+            return original_call(layer)(inputs, mask_positions)
         x = ops.take_along_axis(inputs, ops.expand_dims(mask_positions, axis=-1), axis=1)
         with rec.sublayer_calls():
             x = layer._intermediate_dense(x)
@@ -61,8 +62,8 @@ class _MaskedLMHeadRule:
         call = rec.new_call(layer, z)
         if call is not None:
             vocab = int(layer._bias.shape[0])
-            rec.add(_PerExample(layer._bias, call,
-                                lambda g, s=(vocab,): _reduce_to_shape(g, s)))
+            rec.add(PerExample(layer._bias, call,
+                                lambda g, s=(vocab,): reduce_to_shape(g, s)))
             if not layer.token_embedding:
                 rec.add(_matmul_contribution(layer._kernel, call, x))
         return layer.activation(z) if layer.activation is not None else z
@@ -72,4 +73,12 @@ class _MaskedLMHeadRule:
         if var is layer._bias:
             return "instantiate"
         d, vocab = (int(s) for s in var.shape)
-        return _static_linear(1, d, vocab, T, B)
+        return static_linear(1, d, vocab, T, B)
+
+
+def register_keras_hub_rules(keras_hub_layer):
+    """Register this module's rules for KerasHub's layer classes (``keras_hub_layer``:
+    :func:`keras_dp_lm.training.keras_internals.keras_hub_layer`)."""
+    head = keras_hub_layer("MaskedLMHead")
+    if head is not None:
+        register_clipping_rule(head)(_MaskedLMHeadRule)

@@ -3,9 +3,9 @@
 import keras
 import tensorflow as tf
 
-from keras_dp_lm.clipping._common import _keras_hub_class
-from keras_dp_lm.clipping._common import _orig
-from keras_dp_lm.clipping.ghost import _PerExample
+from keras_dp_lm.clipping._common import original_call
+from keras_dp_lm.clipping.contributions import PerExample
+from keras_dp_lm.clipping.registry import register_clipping_rule
 
 
 def _norm_axes(axis, rank):
@@ -45,17 +45,18 @@ class _AffineNorm:
     @staticmethod
     def add_contributions(rec, layer, call, xhat, axes):
         if layer.gamma is not None:
-            rec.add(_PerExample(layer.gamma, call, lambda g: _scale_grad(g, xhat(), axes)))
+            rec.add(PerExample(layer.gamma, call, lambda g: _scale_grad(g, xhat(), axes)))
         if layer.beta is not None:
-            rec.add(_PerExample(layer.beta, call, lambda g: _shift_grad(g, axes)))
+            rec.add(PerExample(layer.beta, call, lambda g: _shift_grad(g, axes)))
 
 
+@register_clipping_rule(keras.layers.LayerNormalization)
 class _LayerNormRule(_AffineNorm):
     name = "LayerNormalization"
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
-        y = _orig(layer)(inputs, *args, **kwargs)
+        y = original_call(layer)(inputs, *args, **kwargs)
         call = rec.new_call(layer, y)
         if call is not None:
             x = tf.convert_to_tensor(inputs)
@@ -76,6 +77,7 @@ class _LayerNormRule(_AffineNorm):
         return y
 
 
+@register_clipping_rule(keras.layers.GroupNormalization)
 class _GroupNormRule(_AffineNorm):
     """keras.layers.GroupNormalization: ``y = xhat * gamma + beta`` with
     ``xhat`` normalised over each example's channel groups (and all other
@@ -86,7 +88,7 @@ class _GroupNormRule(_AffineNorm):
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
-        y = _orig(layer)(inputs, *args, **kwargs)
+        y = original_call(layer)(inputs, *args, **kwargs)
         call = rec.new_call(layer, y)
         if call is not None:
             x = tf.convert_to_tensor(inputs)
@@ -123,20 +125,19 @@ class _RMSNormRule:
 
     @staticmethod
     def _kind(layer):
+        from keras_dp_lm.training.keras_internals import keras_hub_layer  # an import cycle
+
         t = type(layer).call
-        llama = _keras_hub_class("keras_hub.src.models.llama.llama_layernorm",
-                                 "LlamaLayerNorm")
+        llama = keras_hub_layer("LlamaLayerNorm")
         if llama is not None and t is llama.call:
             return "llama"
         krms = getattr(keras.layers, "RMSNormalization", None)
         if krms is not None and t is krms.call:
             return "keras"
-        hrms = _keras_hub_class("keras_hub.src.layers.modeling.rms_normalization",
-                                "RMSNormalization")
+        hrms = keras_hub_layer("RMSNormalization")
         if hrms is not None and t is hrms.call:
             return "hub"
-        gemma = _keras_hub_class("keras_hub.src.models.gemma.rms_normalization",
-                                 "RMSNormalization")
+        gemma = keras_hub_layer("GemmaRMSNormalization")
         if gemma is not None and t is gemma.call:
             return "gemma"
         return None
@@ -151,7 +152,7 @@ class _RMSNormRule:
 
     @staticmethod
     def forward(layer, rec, inputs, *args, **kwargs):
-        y = _orig(layer)(inputs, *args, **kwargs)
+        y = original_call(layer)(inputs, *args, **kwargs)
         call = rec.new_call(layer, y)
         if call is not None:
             x = tf.convert_to_tensor(inputs)
@@ -172,10 +173,23 @@ class _RMSNormRule:
                 ms = tf.reduce_mean(tf.square(x32), axis=axes, keepdims=True)
                 return x32 * tf.math.rsqrt(ms + eps)
 
-            rec.add(_PerExample(layer.scale, call,
+            rec.add(PerExample(layer.scale, call,
                                 lambda g: _scale_grad(g, xhat(), axes)))
         return y
 
     @staticmethod
     def static_method(layer, var, T, B):
         return "instantiate"
+
+
+if hasattr(keras.layers, "RMSNormalization"):
+    register_clipping_rule(keras.layers.RMSNormalization)(_RMSNormRule)
+
+
+def register_keras_hub_rules(keras_hub_layer):
+    """Register this module's rules for KerasHub's layer classes (``keras_hub_layer``:
+    :func:`keras_dp_lm.training.keras_internals.keras_hub_layer`)."""
+    for name in ("LlamaLayerNorm", "RMSNormalization", "GemmaRMSNormalization"):
+        layer_class = keras_hub_layer(name)
+        if layer_class is not None:
+            register_clipping_rule(layer_class)(_RMSNormRule)
