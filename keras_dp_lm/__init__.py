@@ -17,9 +17,9 @@ Example:
 """
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
+
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending
+from keras_dp_lm._activation import install_activation as _install_activation
 
 __version__ = "0.1.0"
 
@@ -59,9 +59,6 @@ _EXPORTS = {
 }
 _SUBMODULES = ("accounting", "callbacks", "data", "evaluation", "optimizers", "samplers",
                "testing", "tokenizers", "training", "tuning")
-# Modules that register Keras objects or patch Keras: imported as soon as Keras is.
-_KERAS_MODULES = ("keras_dp_lm.training", "keras_dp_lm.optimizers",
-                  "keras_dp_lm.samplers", "keras_dp_lm.tokenizers")
 
 __all__ = sorted(list(_EXPORTS) + list(_SUBMODULES))
 
@@ -82,69 +79,4 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-def _activate():
-    """Patch ``compile`` and register keras_dp_lm's Keras objects."""
-    for module in _KERAS_MODULES:
-        importlib.import_module(module)
-    sys.modules["keras_dp_lm.training"].install()
-
-
-_pending = False
-
-
-def _activate_if_pending():
-    """Finish an activation that Keras's import could not complete.
-
-    When importing one of our own modules imports Keras (through TensorFlow),
-    activation runs while that module is only half initialised and fails; every
-    subpackage calls this at the end of its ``__init__``, so activation completes
-    as soon as the import chain that started it has finished.
-    """
-    global _pending
-    if not _pending:
-        return
-    try:
-        _activate()
-    except (ImportError, AttributeError):
-        return
-    _pending = False
-
-
-class _ActivateAfterKeras(importlib.abc.MetaPathFinder):
-    """Runs :func:`_activate` right after ``import keras`` finishes.
-
-    ``find_spec`` may be called without a load (TensorFlow probes for Keras), so
-    the finder stays installed until Keras has actually been executed.
-    """
-
-    _searching = False
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "keras" or self._searching:
-            return None
-        self._searching = True
-        try:
-            spec = importlib.util.find_spec("keras")
-        finally:
-            self._searching = False
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-        finder = self
-
-        def exec_then_activate(module):
-            global _pending
-            exec_module(module)
-            if finder in sys.meta_path:
-                sys.meta_path.remove(finder)
-            _pending = True
-            _activate_if_pending()
-
-        spec.loader.exec_module = exec_then_activate
-        return spec
-
-
-if "keras" in sys.modules:
-    _activate()
-elif not any(isinstance(f, _ActivateAfterKeras) for f in sys.meta_path):
-    sys.meta_path.insert(0, _ActivateAfterKeras())
+_install_activation()

@@ -57,6 +57,6 @@ __all__ = [
     "user_slot_mask",
 ]
 
-from keras_dp_lm import _activate_if_pending  # noqa: E402
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 
 _activate_if_pending()

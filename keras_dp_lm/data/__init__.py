@@ -19,6 +19,6 @@ __all__ = ["OVERFLOW_MODES", "PADDING_MODES", "padding_buckets", "PoissonOverflo
            "poisson_user_batches", "records_per_user",
            "split_real_slots", "suggest_max_batch_size"]
 
-from keras_dp_lm import _activate_if_pending  # noqa: E402
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 
 _activate_if_pending()

@@ -77,6 +77,6 @@ __all__ = [
     "sequence_log_likelihood",
 ]
 
-from keras_dp_lm import _activate_if_pending  # noqa: E402
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 
 _activate_if_pending()

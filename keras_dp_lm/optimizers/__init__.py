@@ -34,6 +34,6 @@ def __getattr__(name):
         return DPOptimizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-from keras_dp_lm import _activate_if_pending  # noqa: E402
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 
 _activate_if_pending()

@@ -111,6 +111,6 @@ __all__ = [
     "vocabulary_size_of",
 ]
 
-from keras_dp_lm import _activate_if_pending  # noqa: E402
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 
 _activate_if_pending()

@@ -18,6 +18,6 @@ from keras_dp_lm.testing.tiny_models import _scoped_seed  # noqa: F401
 
 __all__ = ["check_privacy", "PrivacyCheckReport", *_TINY_MODELS]
 
-from keras_dp_lm import _activate_if_pending  # noqa: E402
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 
 _activate_if_pending()

@@ -175,6 +175,6 @@ __all__ = [
     "threshold_for",
 ]
 
-from keras_dp_lm import _activate_if_pending  # noqa: E402
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 
 _activate_if_pending()

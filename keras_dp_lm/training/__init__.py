@@ -24,6 +24,6 @@ __all__ = ["ClippedBatch", "PrivacyLedger", "allow_non_private_fit", "check_mode
            "install", "ledger_of", "make_private", "per_example_losses",
            "reduce_per_example", "regularization_loss"]
 
-from keras_dp_lm import _activate_if_pending  # noqa: E402
+from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 
 _activate_if_pending()
