@@ -17,6 +17,7 @@ import types
 import keras
 import tensorflow as tf
 
+from keras_dp_lm.training import save_guards
 from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
@@ -121,6 +122,7 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         _check_train_step_not_overridden(self)
         refusals.check_model(self)
         sharing_ledgers(self)  # created in the strategy scope compile runs in
+        save_guards.guard_model(self)
         self.train_step = types.MethodType(dp_train_step, self)
         # A new loss (or model) is probed again, by a probe traced anew.
         refusals.probe_state(self).reset()

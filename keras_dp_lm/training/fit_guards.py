@@ -205,6 +205,9 @@ def check_training_is_private(model, compiled_for_dp, callbacks=None, validation
     carved from the private data).
     """
     check_optimizer_matches_step(model, compiled_for_dp)
+    ledger = ledger_of(model, create=False)
+    if ledger is not None:
+        ledger.rows()  # refuses if a load gave it updates it cannot count
     optimizer = getattr(model, "optimizer", None)
     if not is_dp_optimizer(optimizer):
         _refuse_non_private(model, optimizer)

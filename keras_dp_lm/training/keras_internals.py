@@ -145,3 +145,8 @@ def keras_hub_pretokenize():
     from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize
     return pretokenize
 
+
+def writing_legacy_h5():
+    """Whether Keras is serializing for a legacy HDF5 (``.h5``) file: its
+    writer sets this option around ``get_config`` (Keras 3.15)."""
+    return bool(global_state.get_global_attribute("use_legacy_config", False))

@@ -42,6 +42,7 @@ Example:
     [(1.0, 0.0, 4.0, 2)]
 """
 
+import os
 import weakref
 
 import numpy as np
@@ -49,6 +50,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp_lm.accounting.overflow import bernstein_excess
+from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.training import keras_internals
 
 MAX_ROWS = 32
@@ -93,8 +95,17 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             self.unit = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_unit",
                 aggregation="only_first_replica")
+            # (this ledger's random id, the id of the ledger it started from,
+            # how many of that ledger's updates it started with): a loaded
+            # file's rows are combined with the rows already held by what the
+            # two histories share (see load_own_variables).
+            self.lineage = keras.Variable(
+                np.array([_new_lineage_id(), 0, 0]), dtype="int64", trainable=False,
+                name="dp_ledger_lineage", aggregation="only_first_replica")
         # The accountant whose limits are registered (a weak reference).
         self._limits_owner = None
+        # Set when a load gave the model updates the ledger cannot count.
+        self._refusal = None
         # Ledgers whose rows this one took over when it was created (inherit),
         # with how many updates each had then.
         self._includes = weakref.WeakKeyDictionary()
@@ -108,32 +119,79 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         store["num_rows"] = np.asarray(self.num_rows.numpy())
         store["unit"] = np.asarray(self.unit.numpy())
         store["poisson_seen"] = np.asarray(self.poisson_seen.numpy())
+        store["lineage"] = np.asarray(self.lineage.numpy())
 
     def load_own_variables(self, store):
+        """Combine a saved ledger with the updates the model already holds.
+
+        Keras restores the layers before the ledger, and with
+        ``load_weights(..., skip_mismatch=True)`` (or a file holding only some
+        of the model's layers) the weights it skipped keep what they had
+        received. The rows held are therefore never dropped: the file's rows
+        are added to them, except the updates both histories share (the file
+        is an earlier state of this ledger, of the ledger it started from, or
+        started from this one). A file with no DP update adds nothing; a model
+        with no DP update takes the file's rows as they are. This can only
+        over-report: reloading public weights into a DP-trained model keeps
+        its count (build a fresh model to start over).
+        """
         # A file saved before any DP training (or by a plain Keras model) has
         # no ledger: the model has received no noised update.
         if store is None or "table" not in list(store.keys()):
             return
+        keys = list(store.keys())
         table = np.asarray(store["table"], dtype="float64")
-        rows = int(np.asarray(store["num_rows"]))
-        if table.shape != (MAX_ROWS, _COLUMNS) or not 0 <= rows <= MAX_ROWS:
+        count = int(np.asarray(store["num_rows"]))
+        if table.shape != (MAX_ROWS, _COLUMNS) or not 0 <= count <= MAX_ROWS:
             raise ValueError(
-                f"The saved privacy ledger has shape {table.shape} and {rows} rows; "
+                f"The saved privacy ledger has shape {table.shape} and {count} rows; "
                 f"expected ({MAX_ROWS}, {_COLUMNS}). It was written by an "
                 "incompatible keras_dp_lm version.")
-        self.table.assign(table)
-        self.num_rows.assign(rows)
+        file_rows = [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
+        if not file_rows:
+            return
         # Files from before user-level DP hold example-level updates only.
-        unit = (int(np.asarray(store["unit"])) if "unit" in list(store.keys())
-                else PRIVACY_UNITS["example"] if rows else 0)
-        self.unit.assign(unit)
-        self.poisson_seen.assign(np.asarray(store["poisson_seen"], dtype="float64")
-                                 if "poisson_seen" in list(store.keys()) else np.zeros((3,)))
+        file_unit = (int(np.asarray(store["unit"])) if "unit" in keys
+                     else PRIVACY_UNITS["example"])
+        file_seen = (np.asarray(store["poisson_seen"], dtype="float64")
+                     if "poisson_seen" in keys else np.zeros((3,)))
+        # Files from before lineages share nothing known with any ledger.
+        file_lineage = (np.asarray(store["lineage"], dtype="int64").tolist()
+                        if "lineage" in keys else [0, 0, 0])
+        held = self.rows()
+        new = _unshared_rows(held, self.lineage.numpy().tolist(), file_rows, file_lineage)
+        if new:
+            units = {int(self.unit.numpy()), file_unit} - {0}
+            if len(units) > 1:
+                # Keras turns an error here into a warning under
+                # skip_mismatch=True, with the weights loaded: the ledger then
+                # refuses every later use (see rows()).
+                self._refusal = PrivacyRefusalError(
+                    "The weights loaded into this model were trained at another "
+                    f"privacy unit ({_unit_name(file_unit)}) than the model's "
+                    f"({self.privacy_unit}), and one ledger counts one unit, so its "
+                    "epsilon is unknown. Load them into a fresh model, or train at "
+                    "one unit.")
+                raise self._refusal
+            rows = _fit_table(held + new)
+            padded = np.zeros((MAX_ROWS, _COLUMNS))
+            padded[:len(rows)] = rows
+            self.table.assign(padded)
+            self.num_rows.assign(len(rows))
+            self.unit.assign(file_unit)
+            self.poisson_seen.assign(self.poisson_seen.numpy() + file_seen)
+            if not held:  # the model's history starts at the file's
+                own = self.lineage.numpy()
+                self.lineage.assign(np.array([own[0], file_lineage[0], _total(file_rows)]))
         holder = self.__dict__.get("_holder", lambda: None)()
-        if rows and holder is not None:
+        if holder is not None:
             # The weights loaded with these DP updates refuse non-DP training,
-            # also inside another model (keras_dp_lm.training.fit_guards).
+            # also inside another model (keras_dp_lm.training.fit_guards), and
+            # are not written to a legacy .h5 file, which drops the ledger.
             mark_dp_trained(holder.weights, self)
+            from keras_dp_lm.training import save_guards  # pylint: disable=import-outside-toplevel
+            save_guards.guard_model(holder)
+            save_guards.guard_layers(keras_internals.flatten_layers(holder, include_self=True))
 
     def inherit(self, sources):
         """Start from the DP updates of ``sources``: the ledgers of the DP steps
@@ -149,12 +207,13 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         for source in sources:
             for ledger, updates in source._includes.items():
                 taken[ledger] = max(taken.get(ledger, 0), updates)
-        rows, units = [], set()
+        rows, units, contributed = [], set(), []
         for source in sources:
             new = _rows_after(source.rows(), taken.get(source, 0))
             rows += new
             if new:
                 units.add(source.privacy_unit)
+                contributed.append(source)
         units -= {None}
         if len(units) > 1:
             holder = self.__dict__.get("_holder", lambda: None)()
@@ -175,10 +234,20 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.table.assign(table)
         self.num_rows.assign(len(rows))
         self.unit.assign(PRIVACY_UNITS[units.pop()])
+        if len(contributed) == 1 and not taken:
+            # its history starts at that ledger's: a file of it shares these
+            source = contributed[0]
+            self.lineage.assign(np.array(
+                [self.lineage.numpy()[0], source.lineage.numpy()[0], source.updates]))
 
     # -- reading ---------------------------------------------------------------
     def rows(self):
-        """The rows as ``[(sigma, q, max_real_batch, updates), ...]`` (Python)."""
+        """The rows as ``[(sigma, q, max_real_batch, updates), ...]`` (Python).
+
+        Raises :class:`~keras_dp_lm.PrivacyRefusalError` if a load gave the
+        model updates this ledger cannot count (another privacy unit)."""
+        if self._refusal is not None:
+            raise self._refusal
         table = np.asarray(self.table.numpy())
         count = int(self.num_rows.numpy())
         return [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
@@ -335,6 +404,45 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             tf.zeros([3], tf.float64)))
 
 
+def _new_lineage_id():
+    """A random nonzero id for a ledger's history (0 means unknown)."""
+    return int.from_bytes(os.urandom(7), "big") + 1
+
+
+def _total(rows):
+    return sum(row[3] for row in rows)
+
+
+def _unit_name(code):
+    return next((name for name, c in PRIVACY_UNITS.items() if c == code), None)
+
+
+def _unshared_rows(held, lineage, file_rows, file_lineage):
+    """The rows of a loaded file that the ledger holding ``held`` (with
+    ``lineage``: own id, parent id, updates taken from the parent) does not
+    already count.
+
+    * nothing held: all of the file's rows;
+    * the file is an earlier state of this ledger, or of (a state no later
+      than) the one this ledger started from: none;
+    * the file continues the ledger this one started from (or this ledger):
+      its rows after the updates the two share;
+    * otherwise (an unrelated history, or a file from before lineages): all.
+    """
+    if not held:
+        return list(file_rows)
+    own, parent, from_parent = lineage
+    file_id, file_parent, file_from_parent = file_lineage
+    file_updates = _total(file_rows)
+    if file_id and file_id == own:
+        return [] if file_updates <= _total(held) else list(file_rows)
+    if file_id and file_id == parent:
+        return _rows_after(file_rows, from_parent) if file_updates > from_parent else []
+    if file_parent and file_parent == own:
+        return _rows_after(file_rows, file_from_parent)
+    return list(file_rows)
+
+
 def _is_keras_hub_task(model):
     return any(cls.__name__ == "Task"
                and cls.__module__.startswith(("keras_hub.", "keras_nlp."))
@@ -425,14 +533,20 @@ def ledger_of(model, create=True):
         0
     """
     holder = _ledger_holder(model)
-    ledger = holder.__dict__.get("_keras_dp_lm_ledger")
+    ledger = _LEDGERS.get(holder)
     if ledger is None and create:
         ledger = PrivacyLedger()
         ledger.__dict__["_holder"] = weakref.ref(holder)
         with tf.init_scope():  # eager, also when first asked inside a traced step
             ledger.inherit(_marking_ledgers(holder))  # kept only if it could
-        holder.__dict__["_keras_dp_lm_ledger"] = ledger
+        _LEDGERS[holder] = ledger
     return ledger
+
+
+# model -> its ledger. Not an attribute of the model: Keras saving walks a
+# model's attributes, and a ledger reachable at a second path would be loaded
+# twice, the second (empty) path clearing a refusal of the first.
+_LEDGERS = weakref.WeakKeyDictionary()
 
 
 def _marking_ledgers(model):

@@ -34,6 +34,7 @@ from keras_dp_lm import clipping as clipping_module
 from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
+from keras_dp_lm.training import save_guards
 from keras_dp_lm.training.batches import _batch_rate
 from keras_dp_lm.training.batches import _has_real_slots
 from keras_dp_lm.training.batches import _loss_weights
@@ -311,6 +312,7 @@ def dp_train_step(model, data):
     # Marked once the step is traced (fit, train_on_batch, make_private); a
     # trace that raised applies nothing and marks nothing.
     mark_dp_trained(model.trainable_variables, ledger)
+    save_guards.guard_layers(internals.flatten_layers(model, include_self=True))
     if isinstance(model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
         # Keras 3.15 averages logs across workers with reduce(MEAN, axis=0),
         # which fails on scalars: hand it rank-1 values, it returns scalars.
