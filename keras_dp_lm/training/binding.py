@@ -17,10 +17,10 @@ import types
 import keras
 import tensorflow as tf
 
-from keras_dp_lm.training import save_guards
 from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
+from keras_dp_lm.training import save_guards
 from keras_dp_lm.training.ledger import ledger_of
 from keras_dp_lm.training.ledger import register_model
 from keras_dp_lm.training.ledger import sharing_ledgers
