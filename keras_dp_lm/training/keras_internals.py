@@ -10,7 +10,34 @@ fails loudly instead of silently changing what the DP step computes.
 
 import keras
 
-TESTED_KERAS = ("3.15",)
+# The Keras minors whose private API below was read and tested (oldest first);
+# pyproject.toml's `keras` range covers exactly these (tests/test_versions.py).
+# 3.13 and 3.14 differ from 3.15 only in code this module does not reach
+# (trainer log conversion, Loss's mask arithmetic, compile_utils' output-name
+# resolution, SeedGenerator.get_config); every name imported here, the
+# attributes read below and the trainer methods training/binding.py wraps
+# (compile, fit, train_on_batch, make_train_function, train_step,
+# _maybe_symbolic_build, _symbolic_build) have the same signatures and meaning in
+# 3.13, 3.14 and 3.15, so no branch is needed yet. A difference goes here, as a
+# branch on KERAS_MINOR naming the versions.
+TESTED_KERAS = ("3.13", "3.14", "3.15")
+
+# The KerasHub minors whose private modules (_KERAS_HUB_LAYERS, pretokenize) were
+# checked; pyproject.toml's `keras-hub` range covers exactly these. KerasHub
+# 0.30+ requires Keras >= 3.15, so Keras 3.13 / 3.14 come with KerasHub 0.29.
+# Between 0.29 and 0.32 the layers the clipping rules cover compute the same
+# forward pass (0.32 adds a vLLM serving path to PositionEmbedding, inactive
+# outside vLLM, and gathers in MaskedLMHead with take_along_axis instead of
+# tf.gather), and `pretokenize` has the same signature. KerasHub is imported
+# lazily, so its version is not checked at import: a moved class makes
+# keras_hub_layer return None (exact per-example gradients, never wrong ones).
+TESTED_KERAS_HUB = ("0.29", "0.30", "0.31", "0.32")
+
+
+def _minor(version):
+    """``(major, minor)`` of a version string such as ``"3.15.1"``."""
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def _check_version(version):
@@ -18,12 +45,13 @@ def _check_version(version):
         raise ImportError(
             f"keras_dp_lm relies on Keras internals tested with Keras "
             f"{', '.join(TESTED_KERAS)}.x, but Keras {version} is installed. Install "
-            f"keras=={TESTED_KERAS[-1]}.* (see pyproject.toml), or check "
-            "keras_dp_lm/keras_internals.py against the new version and extend "
-            "TESTED_KERAS.")
+            f"a Keras in that range (see pyproject.toml), or check "
+            "keras_dp_lm/training/keras_internals.py against the new version and "
+            "extend TESTED_KERAS.")
 
 
 _check_version(keras.__version__)
+KERAS_MINOR = _minor(keras.__version__)  # for version branches, e.g. >= (3, 15)
 
 # pylint: disable=wrong-import-position
 from keras.src import tree  # noqa: E402
