@@ -1,12 +1,22 @@
-"""The binding of the DP train step to Keras's trainer: ``install()``.
+"""The one binding point between keras_dp_lm and Keras: ``compile``.
 
-:func:`install` patches Keras's trainer classes (idempotently): ``compile``
-with a DP optimizer binds :func:`~keras_dp_lm.training.step.dp_train_step`
-to the model; ``fit``, ``train_on_batch``, every train function and Keras's
-own ``train_step`` refuse training the ledger could not count
-(:mod:`keras_dp_lm.training.fit_guards`); every model is registered for
-:func:`~keras_dp_lm.training.ledger.sharing_ledgers` and gets a ``dp_ledger``
-property. Every touch of Keras's private API is in
+:func:`install` changes two members of Keras's ``Trainer`` class and nothing
+else: ``compile``, which binds the DP step to a model compiled with a DP
+optimizer, and the ``dp_ledger`` property, which saves and loads the privacy
+ledger with any model's weights. Everything else is bound to one model at a
+time, as instance attributes:
+
+* a model compiled with a DP optimizer gets the DP ``train_step``
+  (:func:`~keras_dp_lm.training.step.dp_train_step`), its
+  ``make_train_function`` and ``_maybe_symbolic_build``, and the guards;
+* a model holding DP-trained weights (compiled on them, sharing them with a
+  DP model, or loading them with a ledger) gets only the guards: ``fit``,
+  ``train_on_batch``, its train functions and ``train_step`` refuse, before
+  any update, training its ledger could not count
+  (:mod:`keras_dp_lm.training.fit_guards`);
+* any other model runs Keras's own code.
+
+Every touch of Keras's private API is in
 :mod:`keras_dp_lm.training.keras_internals`.
 """
 
@@ -23,6 +33,7 @@ from keras_dp_lm.training import refusals
 from keras_dp_lm.training import save_guards
 from keras_dp_lm.training.ledger import ledger_of
 from keras_dp_lm.training.ledger import register_model
+from keras_dp_lm.training.ledger import registered_models
 from keras_dp_lm.training.ledger import sharing_ledgers
 from keras_dp_lm.training.ledger import saved_ledger
 from keras_dp_lm.training.probing import _PROBE
@@ -108,6 +119,10 @@ _original_compile = internals.Trainer.compile
 
 @functools.wraps(_original_compile)
 def _compile_with_dp_binding(self, *args, **kwargs):
+    """``compile``, then the binding: a model compiled with a DP optimizer gets
+    the DP step and its guards (instance attributes); a model compiled with
+    another optimizer runs Keras's own code, unless it holds DP-trained weights
+    (then only the guards, which refuse training its ledger could not count)."""
     _original_compile(self, *args, **kwargs)
     own = self.__dict__
     if is_dp_optimizer(getattr(getattr(self, "optimizer", None), "inner_optimizer", None)):
@@ -118,52 +133,59 @@ def _compile_with_dp_binding(self, *args, **kwargs):
             "and the noise no longer match what is accounted. Use the "
             "'mixed_bfloat16' policy (supported: clipping arithmetic runs in float32) "
             "or float32.")
+    register_model(self)
     if is_dp_optimizer(getattr(self, "optimizer", None)):
         _check_train_step_not_overridden(self)
         refusals.check_model(self)
-        sharing_ledgers(self)  # created in the strategy scope compile runs in
+        guard(self)
+        for ledger in sharing_ledgers(self):  # created in the strategy scope compile runs in
+            guard_holder_of(ledger)
         save_guards.guard_model(self)
         self.train_step = types.MethodType(dp_train_step, self)
+        own["_maybe_symbolic_build"] = types.MethodType(_symbolic_build_distributed_safe, self)
         # A new loss (or model) is probed again, by a probe traced anew.
         refusals.probe_state(self).reset()
-        self.__dict__.pop(_PROBE, None)
-        self.__dict__.pop(_XLA_CORE, None)
+        own.pop(_PROBE, None)
+        own.pop(_XLA_CORE, None)
         if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
             self.make_train_function = _dp_make_train_function(self)
         if hasattr(self, "preprocess_samples"):
             self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
-    elif _bound_to_dp_step(self):
-        del own["train_step"]  # recompiled without DP: unbind
-        own.pop("make_train_function", None)
+    else:
+        if _bound_to_dp_step(self):  # recompiled without DP: unbind the step
+            for name in ("train_step", "make_train_function", "_maybe_symbolic_build"):
+                own.pop(name, None)
+        if fit_guards.holds_dp_training(self):
+            guard(self)
     fit_guards.forget_permission(self)
 
 
-_original_symbolic_build = internals.TensorFlowTrainer._maybe_symbolic_build
-
-
 def _symbolic_build_distributed_safe(self, iterator=None, data_batch=None):
-    """Keras 3.15 averages a distributed batch with ``strategy.reduce`` before
+    """A DP model's ``_maybe_symbolic_build`` (an instance attribute).
+
+    Keras 3.15 averages a distributed batch with ``strategy.reduce`` before
     building. That fails under MultiWorkerMirroredStrategy in eager mode
-    ("Attempt to convert a value (PerReplica...)"), even for plain Adam, and
-    under any strategy when the replicas' shares differ in size (a Poisson
-    batch of 21 rows on 2 replicas). Build from the first local replica's
-    batch instead, without its real-slot marks: only shapes matter.
+    ("Attempt to convert a value (PerReplica...)") and under any strategy
+    when the replicas' shares differ in size (a Poisson batch of 21 rows on 2
+    replicas). Build from the first local replica's batch instead, without
+    its real-slot marks: only shapes matter.
 
     Without a strategy Keras builds a model lazily, in its train function's
     first trace; a DP model with layers not yet built (a subclassed model
     never called before ``fit``) is built here instead, before the
     independence probe (which would create the variables in a trace of its
     own), from the dataset's element spec: no batch is drawn."""
+    keras_build = type(self)._maybe_symbolic_build
     strategy = self._distribute_strategy
     if strategy is None:
         if not _unbuilt_dp_model(self):
-            return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+            return keras_build(self, iterator=iterator, data_batch=data_batch)
         if iterator is not None:
             data_batch = internals.epoch_iterator_element_spec(iterator)
         if data_batch is None:
-            return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+            return keras_build(self, iterator=iterator, data_batch=data_batch)
     elif iterator is None:
-        return _original_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+        return keras_build(self, iterator=iterator, data_batch=data_batch)
     else:
         for _, _, it in iterator:
             batch = next(it)
@@ -185,48 +207,39 @@ def _unbuilt_dp_model(model):
         layer.built for layer in internals.flatten_layers(model, include_self=True))
 
 
-_original_fit = internals.TensorFlowTrainer.fit
-
-
-@functools.wraps(_original_fit)
-def _fit_releasing_limits(self, *args, **kwargs):
-    """``fit``, after which the limits a :class:`PrivacyAccountant` registered
-    on the model's ledger are cleared also when the fit raised (Keras then
-    skips ``on_train_end``): stale limits would check, and record the rate
-    of, later fits that have no accountant. Training the ledger could not
-    count is refused first
-    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
-    fit_guards.check_training_is_private(
-        self, _bound_to_dp_step(self),
-        kwargs.get("callbacks", args[5] if len(args) > 5 else None),
-        kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
-        kwargs.get("validation_data", args[7] if len(args) > 7 else None))
-    try:
-        return _original_fit(self, *args, **kwargs)
-    finally:
-        ledger = ledger_of(self, create=False)
-        if ledger is not None:
-            ledger.clear_limits()
-
-
 def _bound_to_dp_step(model):
     """Whether ``model`` was compiled for DP (its ``train_step`` is the DP step)."""
     bound = model.__dict__.get("train_step")
     return isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
 
 
-_original_train_on_batch = internals.TensorFlowTrainer.train_on_batch
+# -- the guards: instance attributes of a DP model, or of a model holding
+# -- DP-trained weights; Keras's classes are untouched ---------------------------
+
+def _guarded_fit(self, *args, **kwargs):
+    """``fit``, refused first if the ledger could not count it
+    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`); the
+    limits a :class:`PrivacyAccountant` registered on the model's ledger are
+    cleared after it, also when it raised (Keras then skips ``on_train_end``):
+    stale limits would check, and record the rate of, later fits that have no
+    accountant."""
+    fit_guards.check_training_is_private(
+        self, _bound_to_dp_step(self),
+        kwargs.get("callbacks", args[5] if len(args) > 5 else None),
+        kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
+        kwargs.get("validation_data", args[7] if len(args) > 7 else None))
+    try:
+        return type(self).fit(self, *args, **kwargs)
+    finally:
+        ledger = ledger_of(self, create=False)
+        if ledger is not None:
+            ledger.clear_limits()
 
 
-@functools.wraps(_original_train_on_batch)
-def _train_on_batch_checked(self, *args, **kwargs):
-    """``train_on_batch``, refused first if the ledger could not count it
-    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`)."""
+def _guarded_train_on_batch(self, *args, **kwargs):
+    """``train_on_batch``, refused first if the ledger could not count it."""
     fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
-    return _original_train_on_batch(self, *args, **kwargs)
-
-
-_original_make_train_function = internals.TensorFlowTrainer.make_train_function
+    return type(self).train_on_batch(self, *args, **kwargs)
 
 
 class _CheckedTrainFunction:
@@ -253,57 +266,76 @@ class _CheckedTrainFunction:
         return getattr(self._function, name)
 
 
-@functools.wraps(_original_make_train_function)
-def _make_checked_train_function(self, force=False):
+def _guarded_make_train_function(self, force=False):
     """``make_train_function``, whose train function refuses, before each call,
-    training the ledger could not count
-    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`): ``fit``
-    and ``train_on_batch`` call it, and so may a user (r34c C5)."""
-    _original_make_train_function(self, force)
+    training the ledger could not count: ``fit`` and ``train_on_batch`` call
+    it, and so may a user (r34c C5)."""
+    type(self).make_train_function(self, force)
     function = self.train_function
     if function is not None and not getattr(function, "_keras_dp_lm_checked", False):
         function = self.train_function = _CheckedTrainFunction(self, function)
     return function
 
 
-_original_trainer_init = internals.TensorFlowTrainer.__init__
-
-
-@functools.wraps(_original_trainer_init)
-def _trainer_init_registering(self, *args, **kwargs):
-    """Keras's trainer ``__init__``; the model is then registered (weakly) so
-    that DP steps training its weights through another model record them in
-    its ledger (:func:`~keras_dp_lm.training.ledger.sharing_ledgers`)."""
-    _original_trainer_init(self, *args, **kwargs)
-    register_model(self)
-
-
-_original_train_step = internals.TensorFlowTrainer.train_step
-
-
-@functools.wraps(_original_train_step)
-def _checked_train_step(self, data):
-    """Keras's ``train_step``, refused first if the ledger could not count it
-    (a custom loop calling ``model.train_step`` on DP-trained weights with a
-    non-DP optimizer, r34c C5); inside ``fit`` it runs when the step is traced
-    (the ledger is read eagerly)."""
+def _guarded_train_step(self, data):
+    """Keras's ``train_step`` (or the model's own), refused first if the ledger
+    could not count it (a custom loop calling ``model.train_step`` on
+    DP-trained weights with a non-DP optimizer, r34c C5); inside ``fit`` it
+    runs when the step is traced (the ledger is read eagerly)."""
     with tf.init_scope():
         fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
-    return _original_train_step(self, data)
+    return type(self).train_step(self, data)
+
+
+_GUARDS = {"fit": _guarded_fit, "train_on_batch": _guarded_train_on_batch,
+           "make_train_function": _guarded_make_train_function,
+           "train_step": _guarded_train_step}
+
+
+def guard(model):
+    """Bind the guards to ``model`` (idempotent): ``fit``, ``train_on_batch``,
+    every train function and ``train_step`` refuse, before any update,
+    training the ledger could not count
+    (:func:`~keras_dp_lm.training.fit_guards.check_training_is_private`).
+    Instance attributes only; a DP step or a DP ``make_train_function`` the
+    model already has is kept (it wraps the guarded one)."""
+    own = model.__dict__
+    for name, function in _GUARDS.items():
+        if name not in own:
+            own[name] = types.MethodType(function, model)
+
+
+def guard_holder_of(ledger):
+    """:func:`guard` the model whose weights ``ledger`` describes, if alive."""
+    holder = ledger.__dict__.get("_holder", lambda: None)()
+    if holder is not None:
+        guard(holder)
+
+
+def guard_models_holding(variables):
+    """:func:`guard` every compiled model (and model with a ledger) that holds
+    one of ``variables``: they now hold DP-trained weights."""
+    ids = {id(v) for v in variables}
+    for model in registered_models():
+        try:
+            weights = model.weights
+        except Exception:  # pylint: disable=broad-except  # a model whose build failed
+            continue
+        if any(id(w) in ids for w in weights):
+            guard(model)
 
 
 def install():
-    """Patch ``keras.Model.compile`` so DP optimizers bind the DP step (idempotent).
+    """Patch ``keras.Model.compile`` (the binding point) and add the
+    ``dp_ledger`` property (idempotent).
 
-    Also gives every model a ``dp_ledger`` property, so the privacy ledger is
-    saved and loaded with the model's weights (``.keras``, ``.weights.h5``),
-    clears an accountant's limits after every ``fit`` (also one that raised),
-    refuses training the ledger could not count in ``fit``, ``train_on_batch``,
-    every train function (also one made and called by hand) and Keras's own
-    ``train_step`` (:mod:`keras_dp_lm.training.fit_guards`), registers every
-    model (weakly) so that a DP step records its updates in the ledger of every
-    model whose weights it trains, and works around Keras's distributed build failure (uneven replica
-    shares, MultiWorkerMirroredStrategy).
+    These are the only class members keras_dp_lm changes. ``compile`` with a
+    DP optimizer binds the DP step and its guards to that model, as instance
+    attributes; a model compiled with another optimizer runs Keras's own code
+    unless it holds DP-trained weights (then its guards refuse training the
+    ledger could not count). ``dp_ledger`` lets every model's file carry its
+    privacy ledger, and any model (even one never compiled) read it back: a
+    model loading a DP file must count the updates its weights received.
     """
     trainer = internals.Trainer
     if trainer.compile is not _compile_with_dp_binding:
@@ -311,16 +343,3 @@ def install():
     if not isinstance(getattr(trainer, "dp_ledger", None), property):
         trainer.dp_ledger = property(
             saved_ledger, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
-    tf_trainer = internals.TensorFlowTrainer
-    if tf_trainer.fit is not _fit_releasing_limits:
-        tf_trainer.fit = _fit_releasing_limits
-    if tf_trainer.train_on_batch is not _train_on_batch_checked:
-        tf_trainer.train_on_batch = _train_on_batch_checked
-    if tf_trainer.__init__ is not _trainer_init_registering:
-        tf_trainer.__init__ = _trainer_init_registering
-    if tf_trainer.make_train_function is not _make_checked_train_function:
-        tf_trainer.make_train_function = _make_checked_train_function
-    if tf_trainer.train_step is not _checked_train_step:
-        tf_trainer.train_step = _checked_train_step
-    if tf_trainer._maybe_symbolic_build is not _symbolic_build_distributed_safe:
-        tf_trainer._maybe_symbolic_build = _symbolic_build_distributed_safe

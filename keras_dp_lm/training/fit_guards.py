@@ -135,6 +135,15 @@ def _inner_models(model):
             stack.extend(getattr(layer, "layers", ()))
 
 
+def holds_dp_training(model):
+    """Whether ``model`` holds weights DP training updated: its ledger, an
+    inner model's, or one of its variables (:func:`~keras_dp_lm.training.ledger.mark_dp_trained`)."""
+    if not any_dp_trained():
+        return False
+    return (_has_dp_updates(model) or any(_has_dp_updates(m) for m in _inner_models(model))
+            or any(is_dp_trained(v) for v in model.weights))
+
+
 def _refuse_non_private(model, optimizer):
     if not any_dp_trained():
         return
@@ -191,8 +200,9 @@ def check_training_is_private(model, compiled_for_dp, callbacks=None, validation
                               validation_data=None):
     """Refuse, before any update, training that the ledger could not count.
 
-    Called by the patched ``fit``, ``train_on_batch``, train functions and
-    ``train_step`` (:func:`keras_dp_lm.training.step.install`); ``compiled_for_dp``
+    Called by the guards bound to a DP model, or to a model holding DP-trained
+    weights: its ``fit``, ``train_on_batch``, train functions and
+    ``train_step`` (:func:`keras_dp_lm.training.binding.guard`); ``compiled_for_dp``
     says whether the model's ``train_step`` is the DP step. Raises
     ``RuntimeError`` for an optimizer assigned across the DP line without
     ``compile`` (:func:`check_optimizer_matches_step`), or if a model would

@@ -540,6 +540,7 @@ def ledger_of(model, create=True):
         with tf.init_scope():  # eager, also when first asked inside a traced step
             ledger.inherit(_marking_ledgers(holder))  # kept only if it could
         _LEDGERS[holder] = ledger
+        register_model(holder)
     return ledger
 
 
@@ -558,17 +559,26 @@ def _marking_ledgers(model):
     return list(found.values())
 
 
-_MODELS = weakref.WeakSet()  # every Keras model built in this process (registered)
+_MODELS = weakref.WeakSet()  # models compiled, or whose ledger was read (registered)
 _REGISTERED = [0]  # how many models have registered so far
 
 
 def register_model(model):
     """Remember ``model`` (weakly), so that a DP step training its weights
-    through another model can record the update in its ledger
-    (:func:`sharing_ledgers`). Every Keras model registers itself once
-    keras_dp_lm is imported (:func:`keras_dp_lm.training.step.install`)."""
-    _MODELS.add(model)
-    _REGISTERED[0] += 1
+    through another model records the update in its ledger
+    (:func:`sharing_ledgers`), and so that it refuses non-DP training once
+    they are DP-trained (:func:`mark_dp_trained`). A model registers when it
+    is compiled (:mod:`keras_dp_lm.training.binding`) and when its ledger is
+    created; a model that is neither has no ledger to update, and the one it
+    gets later starts from what its weights received (:meth:`PrivacyLedger.inherit`)."""
+    if model not in _MODELS:
+        _MODELS.add(model)
+        _REGISTERED[0] += 1
+
+
+def registered_models():
+    """The models alive that registered (:func:`register_model`)."""
+    return list(_MODELS)
 
 
 def models_registered():
@@ -583,9 +593,10 @@ def sharing_ledgers(model):
     records that step's updates, so a model trained as part of another one (a
     layer of it, held by a wrapper or custom layer, or the base of a new head)
     and then saved or reused alone carries what its weights received (r34d
-    D2). A step traced before such a model was built is traced again at its
-    next call (``keras_dp_lm.training.step``); models built before
-    keras_dp_lm was imported are not seen."""
+    D2). A step traced before such a model registered is traced again at its
+    next call (``keras_dp_lm.training.step``). A model that never registered
+    (never compiled, its ledger never read) is not seen: its ledger, once
+    created, inherits what its weights received."""
     own = ledger_of(model)
     trained = {id(v) for v in model.trainable_variables}
     ledgers = []
@@ -622,6 +633,10 @@ def mark_dp_trained(variables, ledger):
         if all(ledger is not held for held in ledgers):
             ledgers.append(ledger)
     _ANY_MARKED[0] = True
+    # Every registered model holding them now refuses non-DP training.
+    from keras_dp_lm.training import binding  # pylint: disable=import-outside-toplevel
+    with tf.init_scope():
+        binding.guard_models_holding(variables)
 
 
 def is_dp_trained(variable):

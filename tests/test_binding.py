@@ -1,0 +1,94 @@
+"""keras_dp_lm binds to Keras at one point: ``compile`` (issue 39).
+
+Importing the package changes two members of Keras's ``Trainer`` class,
+``compile`` (the binding point) and the ``dp_ledger`` property (so any model's
+file carries its ledger), and nothing else; a model compiled without a DP
+optimizer runs Keras's own code.
+"""
+
+import json
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dp_lm as kdp
+
+_SNAPSHOT = r"""
+import inspect, json, sys
+import keras, keras_hub
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+classes = {c for c in (keras.Model, keras.Sequential, keras_hub.models.CausalLM,
+                       keras_hub.models.TextClassifier, keras.layers.Dense,
+                       keras.optimizers.Adam) for c in inspect.getmro(c)
+           if c.__module__.startswith(("keras", "tensorflow"))}
+def snapshot():
+    return {f"{c.__module__}.{c.__qualname__}": {k: id(v) for k, v in vars(c).items()}
+            for c in classes}
+before = snapshot()
+finders = list(sys.meta_path)
+import keras_dp_lm as kdp
+kdp.DPAdam  # a DP optimizer in hand: what compile(optimizer=kdp.DPAdam(...)) needs
+after = snapshot()
+changed = sorted(f"{c}.{k}" for c in before for k in set(before[c]) | set(after[c])
+                 if before[c].get(k) != after[c].get(k))
+print(json.dumps({"changed": changed, "finders_left": len(sys.meta_path) - len(finders)}))
+"""
+
+
+def test_importing_the_package_changes_only_compile_and_dp_ledger():
+    result = subprocess.run([sys.executable, "-c", _SNAPSHOT], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["changed"] == ["keras.src.trainers.trainer.Trainer.compile",
+                                 "keras.src.trainers.trainer.Trainer.dp_ledger"]
+    assert report["finders_left"] == 0  # Keras was imported first: no import hook
+
+
+_BOUND = {"fit", "train_on_batch", "make_train_function", "train_step",
+          "_maybe_symbolic_build", "save", "get_config"}
+
+
+def test_a_model_without_a_dp_optimizer_runs_kerass_own_code():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((4, 3)), np.zeros((4, 1)), verbose=0)
+    model.train_on_batch(np.ones((4, 3)), np.zeros((4, 1)))
+    assert not _BOUND & set(model.__dict__)
+    assert kdp.ledger_of(model, create=False) is None
+
+
+def test_a_dp_model_is_bound_and_a_recompile_without_dp_keeps_only_the_guards():
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss="mse")
+    assert {"fit", "train_on_batch", "make_train_function", "train_step",
+            "_maybe_symbolic_build"} <= set(model.__dict__)
+    model.fit(x, y, batch_size=4, verbose=0)
+    model.compile(optimizer="sgd", loss="mse")
+    assert "_maybe_symbolic_build" not in model.__dict__
+    with pytest.raises(RuntimeError, match="privacy ledger holds 2 DP updates"):
+        model.fit(x, y, verbose=0)
+
+
+def test_a_plain_model_compiled_before_its_layer_is_dp_trained_is_guarded_then():
+    """The guards follow the weights: a model compiled with Adam on a layer
+    that another model trains with DP afterwards refuses to train it."""
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    shared = keras.layers.Dense(1)
+    plain = keras.Sequential([keras.Input((3,)), shared])
+    plain.compile(optimizer="adam", loss="mse")
+    assert "fit" not in plain.__dict__
+    dp = keras.Sequential([keras.Input((3,)), shared])
+    dp.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    dp.fit(x, y, batch_size=4, verbose=0)
+    before = shared.kernel.numpy().copy()
+    with pytest.raises(RuntimeError, match="refused to train"):
+        plain.fit(x, y, verbose=0)
+    with pytest.raises(RuntimeError, match="refused to train"):
+        plain.train_on_batch(x, y)
+    np.testing.assert_array_equal(before, shared.kernel.numpy())
