@@ -1216,9 +1216,15 @@ def test_dp_trained_weights_are_not_trained_unnoised_through_another_model(tmp_p
     plain.fit(x, y, batch_size=8, verbose=0)
     plain.optimizer = kdp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=1.0)
     weights = _weights(plain)
+    # A model compiled without DP runs Keras's own code (issue 39): its fit is
+    # plain training and its ledger says so (0 updates); what would report an
+    # epsilon for it, an accountant, refuses before any update.
+    accountant = kdp.PrivacyAccountant(dataset_size=8, batch_size=8, delta=1e-3,
+                                       verbose=0)
     with pytest.raises(RuntimeError, match="Assigning model.optimizer does not recompile"):
-        plain.fit(x, y, batch_size=8, verbose=0)
+        plain.fit(x, y, batch_size=8, verbose=0, callbacks=[accountant])
     assert all(np.array_equal(a, b) for a, b in zip(weights, _weights(plain)))
+    assert kdp.ledger_of(plain).updates == 0
 
     dp_model = _dense(noise_multiplier=1.0)
     dp_model.fit(x, y, batch_size=8, verbose=0)

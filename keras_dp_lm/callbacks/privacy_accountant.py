@@ -25,6 +25,8 @@ from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.overflow import poisson_count_cap
 from keras_dp_lm.accounting.report import privacy_statement
+from keras_dp_lm.training.binding import is_bound_to_dp_step
+from keras_dp_lm.training.fit_guards import check_optimizer_matches_step
 from keras_dp_lm.training.ledger import ledger_of
 from keras_dp_lm.callbacks.accountant_report import accountant_report
 from keras_dp_lm.callbacks.batch_epsilon import BatchEpsilonMixin
@@ -369,6 +371,9 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
 
     # -- Keras hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
+        # A DP optimizer assigned without compile leaves Keras's plain step in
+        # place: nothing would be clipped, noised or counted.
+        check_optimizer_matches_step(self.model, is_bound_to_dp_step(self.model))
         self.in_fit = True
         self._config = self._resolve()
         self._limit = None

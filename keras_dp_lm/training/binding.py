@@ -135,6 +135,9 @@ def _compile_with_dp_binding(self, *args, **kwargs):
             "or float32.")
     register_model(self)
     if is_dp_optimizer(getattr(self, "optimizer", None)):
+        for inner in internals.flatten_layers(self):
+            if isinstance(inner, keras.Model):  # saved or reused alone later
+                register_model(inner)
         _check_train_step_not_overridden(self)
         refusals.check_model(self)
         guard(self)
@@ -152,7 +155,7 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         if hasattr(self, "preprocess_samples"):
             self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
     else:
-        if _bound_to_dp_step(self):  # recompiled without DP: unbind the step
+        if is_bound_to_dp_step(self):  # recompiled without DP: unbind the step
             for name in ("train_step", "make_train_function", "_maybe_symbolic_build"):
                 own.pop(name, None)
         if fit_guards.holds_dp_training(self):
@@ -207,7 +210,7 @@ def _unbuilt_dp_model(model):
         layer.built for layer in internals.flatten_layers(model, include_self=True))
 
 
-def _bound_to_dp_step(model):
+def is_bound_to_dp_step(model):
     """Whether ``model`` was compiled for DP (its ``train_step`` is the DP step)."""
     bound = model.__dict__.get("train_step")
     return isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
@@ -224,7 +227,7 @@ def _guarded_fit(self, *args, **kwargs):
     stale limits would check, and record the rate of, later fits that have no
     accountant."""
     fit_guards.check_training_is_private(
-        self, _bound_to_dp_step(self),
+        self, is_bound_to_dp_step(self),
         kwargs.get("callbacks", args[5] if len(args) > 5 else None),
         kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
         kwargs.get("validation_data", args[7] if len(args) > 7 else None))
@@ -238,7 +241,7 @@ def _guarded_fit(self, *args, **kwargs):
 
 def _guarded_train_on_batch(self, *args, **kwargs):
     """``train_on_batch``, refused first if the ledger could not count it."""
-    fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
+    fit_guards.check_training_is_private(self, is_bound_to_dp_step(self))
     return type(self).train_on_batch(self, *args, **kwargs)
 
 
@@ -255,7 +258,7 @@ class _CheckedTrainFunction:
 
     def __call__(self, *args, **kwargs):
         model = self._model
-        dp = _bound_to_dp_step(model)
+        dp = is_bound_to_dp_step(model)
         fit_guards.check_training_is_private(model, dp)
         if dp and _sharing_grew(model):
             model.make_train_function(force=True)
@@ -283,7 +286,7 @@ def _guarded_train_step(self, data):
     DP-trained weights with a non-DP optimizer, r34c C5); inside ``fit`` it
     runs when the step is traced (the ledger is read eagerly)."""
     with tf.init_scope():
-        fit_guards.check_training_is_private(self, _bound_to_dp_step(self))
+        fit_guards.check_training_is_private(self, is_bound_to_dp_step(self))
     return type(self).train_step(self, data)
 
 
@@ -303,6 +306,9 @@ def guard(model):
     for name, function in _GUARDS.items():
         if name not in own:
             own[name] = types.MethodType(function, model)
+    function = getattr(model, "train_function", None)  # made before the guards
+    if function is not None and not getattr(function, "_keras_dp_lm_checked", False):
+        model.train_function = _CheckedTrainFunction(model, function)
 
 
 def guard_holder_of(ledger):
