@@ -32,7 +32,7 @@ _EXPORTS = {
     "compute_epsilon": "keras_dp_lm.accounting",
     "max_steps": "keras_dp_lm.accounting",
     "PrivacyLedger": "keras_dp_lm.training.ledger",
-    "ledger_of": "keras_dp_lm.training.ledger",
+    "ledger_of": "keras_dp_lm.training.model_ledgers",
     "BudgetExhaustedError": "keras_dp_lm.samplers",
     "DecodingBudget": "keras_dp_lm.samplers",
     "DPSampler": "keras_dp_lm.samplers",

@@ -209,3 +209,31 @@ def test_models_without_dp_updates_still_save_legacy_h5(tmp_path):
     with pytest.raises(kdp.PrivacyRefusalError, match="compiled for"):
         dp.save(os.path.join(tmp_path, "untrained.h5"))
     assert not os.path.exists(os.path.join(tmp_path, "untrained.h5"))
+
+
+def test_a_searched_file_loaded_into_a_trained_model_counts_every_update(tmp_path):
+    """A file released by a private search (its ledger records the search's
+    epsilon, covering its first updates) loaded into a model with its own DP
+    updates: the search is kept, and its covered updates, now after the
+    model's own, are counted as well (conservative)."""
+    x, y = _data()
+    searched = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    _dp_compile(searched)
+    searched.fit(x, y, batch_size=4, verbose=0)  # 2 updates: "the released trial"
+    kdp.ledger_of(searched).record_selection(1.5, 1e-6)
+    assert kdp.ledger_of(searched).accounted_rows() == []
+    path = os.path.join(tmp_path, "searched.weights.h5")
+    searched.save_weights(path)
+    fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    fresh.load_weights(path)
+    assert kdp.ledger_of(fresh).selection_events() == [(1.5, 1e-6)]
+    assert kdp.ledger_of(fresh).accounted_rows() == []
+    trained = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    _dp_compile(trained)
+    trained.fit(x, y, batch_size=8, verbose=0)  # 1 update of its own
+    trained.load_weights(path)
+    ledger = kdp.ledger_of(trained)
+    assert ledger.selection_events() == [(1.5, 1e-6)]
+    assert sum(r[3] for r in ledger.accounted_rows()) == 3
+    with pytest.raises(ValueError, match="no earlier search"):
+        ledger.record_selection(1.0, 1e-6)

@@ -1459,7 +1459,8 @@ def test_inherited_updates_are_not_lost_nor_repriced():
     weights was built were not traced again (that model's ledger: 2 of 5). U4:
     rows beyond the table merged a fixed-size row into a Poisson row, repricing
     it at the Poisson rate (eps 7.39 -> 1.01)."""
-    from keras_dp_lm.training.ledger import MAX_ROWS, _fit_table
+    from keras_dp_lm.training.ledger_rows import MAX_ROWS
+    from keras_dp_lm.training.ledger_rows import fit_table
 
     x, y = _data(8)
     keras.utils.set_random_seed(0)
@@ -1489,7 +1490,7 @@ def test_inherited_updates_are_not_lost_nor_repriced():
     assert kdp.ledger_of(features).updates == kdp.ledger_of(model).updates == 5
 
     poisson = [(1.0, 0.1, 8.0, 1)] * 31
-    rows = _fit_table(poisson + [(1.0, 0.0, 32.0, 10), (1.0, 0.0625, 4.0, 1)])
+    rows = fit_table(poisson + [(1.0, 0.0, 32.0, 10), (1.0, 0.0625, 4.0, 1)])
     assert len(rows) <= MAX_ROWS and sum(r[3] for r in rows) == 42
     assert (1.0, 0.0, 32.0, 10) in [tuple(r) for r in rows]  # never repriced
 
@@ -1499,7 +1500,7 @@ def test_a_full_ledger_never_reprices_a_fixed_size_update():
     priced at its batch over the reader's dataset size) merged into the last
     Poisson row took its rate: eps 7.38 -> 1.01 at N = 64. It now merges into
     the last row of its kind, or the last two rows merge to make room."""
-    from keras_dp_lm.training.ledger import MAX_ROWS
+    from keras_dp_lm.training.ledger_rows import MAX_ROWS
 
     ledger = kdp.ledger_of(_dense())
     ok = tf.constant(True)
@@ -1522,7 +1523,7 @@ def test_a_ledger_that_cannot_take_over_its_sources_is_not_kept():
     weakly, so their updates were lost (a new model on them started at zero)."""
     import gc
 
-    from keras_dp_lm.training.ledger import mark_dp_trained
+    from keras_dp_lm.training.weight_marks import mark_dp_trained
 
     user_layer, example_layer = keras.layers.Dense(4), keras.layers.Dense(3)
     for layer, unit in ((user_layer, "user"), (example_layer, "example")):
@@ -1547,7 +1548,7 @@ def test_updates_merged_into_an_earlier_row_are_not_repriced_when_taken_over():
     an earlier row was taken as the fixed-size row after it (priced at batch /
     dataset size, not at its q). The updates after N are now priced at each kind's
     most conservative row."""
-    from keras_dp_lm.training.ledger import MAX_ROWS
+    from keras_dp_lm.training.ledger_rows import MAX_ROWS
     from keras_dp_lm.training.ledger import PrivacyLedger
 
     ok = tf.constant(True)

@@ -11,7 +11,7 @@ import pytest
 import keras_dp_lm as kdp
 from keras_dp_lm import tuning
 from keras_dp_lm.accounting import dp_sgd_event
-from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.model_ledgers import ledger_of
 
 
 def toy(n=500, seed=0):
@@ -167,3 +167,43 @@ def test_a_trial_warm_started_from_an_earlier_trial_is_refused():
                               min_steps=5, candidates=[tuning.Candidate(0.1)],
                               mean_trials=6.0, seed=1)
     assert len(previous) >= 2
+
+
+def test_the_released_models_ledger_counts_the_whole_search(tmp_path):
+    """Issue 38: the released model's ledger and a PrivacyAccountant on it
+    include the search, also after saving and loading it and after more DP
+    training (its epsilon composed with the new updates, checked against
+    dp_accounting's PLD on the same events). The ledger records the search's
+    (epsilon, delta), not the number of trials."""
+    from keras_dp_lm.accounting.epsilon import compose_epsilon
+    from keras_dp_lm.accounting.events import EpsilonDeltaDpEvent
+
+    x, y = toy()
+    result = tuning.private_search(
+        make_builder([]), x, y, target_epsilon=3.0, delta=1e-5, epochs=4.0,
+        min_steps=10, candidates=[tuning.Candidate(0.1)], mean_trials=2.0, seed=5)
+    ledger = ledger_of(result.model)
+    assert ledger.selection_events() == [(result.epsilon, result.delta)]
+    assert ledger.accounted_rows() == []  # the trial's updates: inside the search
+    assert ledger.updates == result.steps
+    saved = {k: v for k, v in ledger.__dict__.items() if hasattr(v, "numpy")}
+    assert set(saved) == {"table", "num_rows", "limits", "poisson_seen", "violations",
+                          "unit", "selection", "lineage"}  # no trial count anywhere
+
+    result.model.save(tmp_path / "released.keras")
+    model = keras.models.load_model(tmp_path / "released.keras", compile=False)
+    assert ledger_of(model).selection_events() == [(result.epsilon, result.delta)]
+    model.compile(optimizer=kdp.DPAdam(0.01, l2_norm_clip=1.0, noise_multiplier=1.2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    accountant = kdp.PrivacyAccountant(dataset_size=len(x), batch_size=100, delta=1e-4,
+                                       sampling="shuffle", verbose=0)
+    model.fit(x, y, batch_size=100, epochs=1, callbacks=[accountant], verbose=0)
+    new = [r for r in ledger_of(model).accounted_rows()]
+    assert sum(r[3] for r in new) == 5
+    truth = compose_epsilon(
+        [EpsilonDeltaDpEvent(result.epsilon, result.delta),
+         dp_sgd_event(1.2, 100 / len(x), 5)], 1e-4, "pld")
+    assert accountant.epsilon >= truth * (1 - 1e-9)
+    assert accountant.epsilon > result.epsilon
+    report = accountant.report()
+    assert report["epsilon"] == accountant.epsilon and report["search"]["epsilon"] == result.epsilon

@@ -7,7 +7,7 @@ from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.events import row_sampling_rate
 from keras_dp_lm.accounting.report import privacy_report
 from keras_dp_lm.accounting.user_level import user_level_epsilon
-from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.model_ledgers import ledger_of
 
 
 def accountant_report(accountant):
@@ -31,10 +31,11 @@ def accountant_report(accountant):
     if len(rows) <= 1:
         sigma = rows[0][0] if rows else config["noise_multiplier"]
         rate = row_sampling_rate(rows[0], accountant.dataset_size) if rows else config["sampling_rate"]
-        extra = accountant.extra_events
+        extra = accountant.extra_events + accountant._selection_events()
     else:  # several configurations: the earlier rows compose as extra events
         sigma, rate = rows[-1][0], row_sampling_rate(rows[-1], accountant.dataset_size)
-        extra = ledger_events(rows[:-1], accountant.dataset_size) + accountant.extra_events
+        extra = (ledger_events(rows[:-1], accountant.dataset_size) + accountant.extra_events
+                 + accountant._selection_events())
         count = rows[-1][3]
     report = privacy_report(
         sigma, rate, count, accountant.delta,
@@ -65,6 +66,18 @@ def accountant_report(accountant):
                 max(row_sampling_rate(row, accountant.dataset_size) for row in rows),
                 sum(row[3] for row in rows), accountant.delta, accountant.examples_per_user,
                 "group", accountant.accountant)
+    searched = accountant._selection_events()
+    if searched:
+        # Released by a private search: the headline counts the search (whose
+        # epsilon covers the released trial's updates) and what came after.
+        report.update(epsilon=accountant.epsilon, search={
+            "epsilon": searched[0].epsilon, "delta": searched[0].delta,
+            "note": "the private hyperparameter search this model was released by"})
+        report[f"epsilon_{accountant.accountant}"] = report["epsilon"]
+        if accountant.accountant == "pld":
+            report["epsilon_rdp"] = None  # RDP cannot compose an (epsilon, delta) release
+        if not accountant.extra_events:
+            report.update(total_epsilon=report["epsilon"], sum_epsilon=report["epsilon"])
     report["target_epsilon"] = accountant.target_epsilon
     report["max_steps"] = accountant.max_steps
     report.update({

@@ -36,7 +36,8 @@ class BatchEpsilonMixin:
 
     def _batch_epsilon(self, count, batch, final=False):
         rows = [row for row in self._rows() if row[3]]
-        if self.accountant == "rdp" or final or not rows or count == self._fit_start:
+        if (self.accountant == "rdp" or final or not rows or count == self._fit_start
+                or self._selection_events()):  # a recorded search: composed exactly
             value = self._exact_epsilon(rows)  # RDP: exact and cheap
         else:
             value = self._bound(rows, batch)

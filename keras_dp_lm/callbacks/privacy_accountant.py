@@ -27,7 +27,7 @@ from keras_dp_lm.accounting.overflow import poisson_count_cap
 from keras_dp_lm.accounting.report import privacy_statement
 from keras_dp_lm.training.binding import is_bound_to_dp_step
 from keras_dp_lm.training.fit_guards import check_optimizer_matches_step
-from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.model_ledgers import ledger_of
 from keras_dp_lm.callbacks.accountant_report import accountant_report
 from keras_dp_lm.callbacks.batch_epsilon import BatchEpsilonMixin
 
@@ -260,7 +260,12 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         }
 
     def _rows(self):
-        return _ledger(self.model).rows()
+        """The ledger's DP-SGD rows (without those a recorded search covers)."""
+        return _ledger(self.model).accounted_rows()
+
+    def _selection_events(self):
+        """The private search the model was released by, if any, as events."""
+        return [as_event(e) for e in _ledger(self.model).selection_events()]
 
     def _dominated(self, rows):
         """Every ledger row is at most as costly as the assumed configuration."""
@@ -275,14 +280,15 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
         rows = self._rows()
         done = sum(row[3] for row in rows)
-        if self._dominated(rows):
+        selection = self._selection_events()
+        if self._dominated(rows) and not selection:
             # every update so far counted at this fit's cost: conservative, and
             # exact for a resumed fit; when that leaves no room (cheaper updates
             # of another kind: a DP linear probe's), compose them exactly
             quick = max_steps(self.target_epsilon, self.delta, sigma, rate, self.accountant)
             if quick > done:
                 return quick
-        prior = ledger_events(rows, self.dataset_size)
+        prior = ledger_events(rows, self.dataset_size) + selection
         exact = {}
 
         def eps(extra):
@@ -319,7 +325,8 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         ``extra_events`` of :func:`keras_dp_lm.recipes.suggest_recipe`."""
         if self.model is None:
             raise ValueError("dp_events() needs the accountant to have been used in fit().")
-        return ledger_events([row for row in self._rows() if row[3]], self.dataset_size)
+        return (ledger_events([row for row in self._rows() if row[3]], self.dataset_size)
+                + self._selection_events())
 
     @property
     def epsilon(self):
@@ -327,12 +334,16 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         return self._exact_epsilon([row for row in self._rows() if row[3]])
 
     def _exact_epsilon(self, rows):
-        key = (tuple(rows), self.delta, self.accountant)
+        selection = self._selection_events()
+        key = (tuple(rows), tuple(selection), self.delta, self.accountant)
         if key not in self._exact_cache:
             if len(self._exact_cache) >= 8:
                 self._exact_cache.pop(next(iter(self._exact_cache)))
-            self._exact_cache[key] = ledger_epsilon(rows, self.dataset_size, self.delta,
-                                                    self.accountant)
+            self._exact_cache[key] = (
+                compose_epsilon(ledger_events(rows, self.dataset_size) + selection,
+                                self.delta, self.accountant)
+                if selection else
+                ledger_epsilon(rows, self.dataset_size, self.delta, self.accountant))
         return self._exact_cache[key]
 
     def _count(self):

@@ -7,7 +7,7 @@ Every touch of Keras's private API is in :mod:`keras_dp_lm.training.keras_intern
 
 from keras_dp_lm.training.fit_guards import allow_non_private_fit
 from keras_dp_lm.training.ledger import PrivacyLedger
-from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.model_ledgers import ledger_of
 from keras_dp_lm.training.losses import per_example_losses
 from keras_dp_lm.training.losses import reduce_per_example
 from keras_dp_lm.training.losses import regularization_loss

@@ -31,11 +31,11 @@ from keras_dp_lm.training import fit_guards
 from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training import save_guards
-from keras_dp_lm.training.ledger import ledger_of
-from keras_dp_lm.training.ledger import register_model
-from keras_dp_lm.training.ledger import registered_models
-from keras_dp_lm.training.ledger import sharing_ledgers
-from keras_dp_lm.training.ledger import saved_ledger
+from keras_dp_lm.training.model_ledgers import ledger_of
+from keras_dp_lm.training.weight_marks import register_model
+from keras_dp_lm.training.weight_marks import registered_models
+from keras_dp_lm.training.model_ledgers import sharing_ledgers
+from keras_dp_lm.training.model_ledgers import saved_ledger
 from keras_dp_lm.training.probing import _PROBE
 from keras_dp_lm.training.probing import _train_function_probing_first
 from keras_dp_lm.training.step import _XLA_CORE

@@ -25,10 +25,10 @@ refused before any update, by :func:`check_training_is_private`:
 import keras
 
 from keras_dp_lm.optimizers import is_dp_optimizer
-from keras_dp_lm.training.ledger import any_dp_trained
-from keras_dp_lm.training.ledger import dp_history
-from keras_dp_lm.training.ledger import is_dp_trained
-from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.weight_marks import any_dp_trained
+from keras_dp_lm.training.model_ledgers import dp_history
+from keras_dp_lm.training.weight_marks import is_dp_trained
+from keras_dp_lm.training.model_ledgers import ledger_of
 from keras_dp_lm.errors import PrivacyRefusalError
 
 _NON_PRIVATE_REFUSED = (
@@ -137,7 +137,7 @@ def _inner_models(model):
 
 def holds_dp_training(model):
     """Whether ``model`` holds weights DP training updated: its ledger, an
-    inner model's, or one of its variables (:func:`~keras_dp_lm.training.ledger.mark_dp_trained`)."""
+    inner model's, or one of its variables (:func:`~keras_dp_lm.training.weight_marks.mark_dp_trained`)."""
     if not any_dp_trained():
         return False
     return (_has_dp_updates(model) or any(_has_dp_updates(m) for m in _inner_models(model))

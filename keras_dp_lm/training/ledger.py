@@ -42,7 +42,6 @@ Example:
     [(1.0, 0.0, 4.0, 2)]
 """
 
-import os
 import weakref
 
 import numpy as np
@@ -52,10 +51,18 @@ import tensorflow as tf
 from keras_dp_lm.accounting.overflow import bernstein_excess
 from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.training import keras_internals
+from keras_dp_lm.training.ledger_rows import COLUMNS
+from keras_dp_lm.training.ledger_rows import MAX_ROWS
+from keras_dp_lm.training.ledger_rows import PRIVACY_UNITS
+from keras_dp_lm.training.ledger_rows import fit_table
+from keras_dp_lm.training.ledger_rows import merge_rows
+from keras_dp_lm.training.ledger_rows import new_lineage_id
+from keras_dp_lm.training.ledger_rows import rows_after
+from keras_dp_lm.training.ledger_rows import total_updates
+from keras_dp_lm.training.ledger_rows import unit_name
+from keras_dp_lm.training.ledger_rows import unshared_rows
+from keras_dp_lm.training.weight_marks import mark_dp_trained
 
-MAX_ROWS = 32
-_COLUMNS = 4  # sigma, q, max real batch, updates
-PRIVACY_UNITS = {"example": 1, "user": 2}  # the ledger's unit code (0: no update yet)
 _LIMITS = 5
 # The running total of Poisson batches' real counts is refused above a bound
 # that honest draws exceed with probability at most 1e-12 over 1e6 checks.
@@ -71,7 +78,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
     def __init__(self):
         with tf.init_scope():
             self.table = keras.Variable(
-                np.zeros((MAX_ROWS, _COLUMNS)), dtype="float64", trainable=False,
+                np.zeros((MAX_ROWS, COLUMNS)), dtype="float64", trainable=False,
                 name="dp_ledger_table", aggregation="only_first_replica")
             self.num_rows = keras.Variable(
                 0, dtype="int64", trainable=False, name="dp_ledger_rows",
@@ -99,8 +106,16 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             # how many of that ledger's updates it started with): a loaded
             # file's rows are combined with the rows already held by what the
             # two histories share (see load_own_variables).
+            # A private hyperparameter search this model was released by
+            # (keras_dp_lm.tuning.private_search): (its epsilon, its delta, how
+            # many of the first updates are the released trial's, which its
+            # epsilon already covers). Zeros: none. The number of trials is
+            # not recorded.
+            self.selection = keras.Variable(
+                np.zeros((3,)), dtype="float64", trainable=False,
+                name="dp_ledger_selection", aggregation="only_first_replica")
             self.lineage = keras.Variable(
-                np.array([_new_lineage_id(), 0, 0]), dtype="int64", trainable=False,
+                np.array([new_lineage_id(), 0, 0]), dtype="int64", trainable=False,
                 name="dp_ledger_lineage", aggregation="only_first_replica")
         # The accountant whose limits are registered (a weak reference).
         self._limits_owner = None
@@ -120,6 +135,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         store["unit"] = np.asarray(self.unit.numpy())
         store["poisson_seen"] = np.asarray(self.poisson_seen.numpy())
         store["lineage"] = np.asarray(self.lineage.numpy())
+        store["selection"] = np.asarray(self.selection.numpy())
 
     def load_own_variables(self, store):
         """Combine a saved ledger with the updates the model already holds.
@@ -142,10 +158,10 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         keys = list(store.keys())
         table = np.asarray(store["table"], dtype="float64")
         count = int(np.asarray(store["num_rows"]))
-        if table.shape != (MAX_ROWS, _COLUMNS) or not 0 <= count <= MAX_ROWS:
+        if table.shape != (MAX_ROWS, COLUMNS) or not 0 <= count <= MAX_ROWS:
             raise ValueError(
                 f"The saved privacy ledger has shape {table.shape} and {count} rows; "
-                f"expected ({MAX_ROWS}, {_COLUMNS}). It was written by an "
+                f"expected ({MAX_ROWS}, {COLUMNS}). It was written by an "
                 "incompatible keras_dp_lm version.")
         file_rows = [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
         if not file_rows:
@@ -158,8 +174,12 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         # Files from before lineages share nothing known with any ledger.
         file_lineage = (np.asarray(store["lineage"], dtype="int64").tolist()
                         if "lineage" in keys else [0, 0, 0])
+        file_selection = (np.asarray(store["selection"], dtype="float64")
+                          if "selection" in keys else np.zeros((3,)))
         held = self.rows()
-        new = _unshared_rows(held, self.lineage.numpy().tolist(), file_rows, file_lineage)
+        new = unshared_rows(held, self.lineage.numpy().tolist(), file_rows, file_lineage)
+        if new and file_selection[0] > 0:
+            self._add_selection(file_selection, first=not held)
         if new:
             units = {int(self.unit.numpy()), file_unit} - {0}
             if len(units) > 1:
@@ -168,13 +188,13 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 # refuses every later use (see rows()).
                 self._refusal = PrivacyRefusalError(
                     "The weights loaded into this model were trained at another "
-                    f"privacy unit ({_unit_name(file_unit)}) than the model's "
+                    f"privacy unit ({unit_name(file_unit)}) than the model's "
                     f"({self.privacy_unit}), and one ledger counts one unit, so its "
                     "epsilon is unknown. Load them into a fresh model, or train at "
                     "one unit.")
                 raise self._refusal
-            rows = _fit_table(held + new)
-            padded = np.zeros((MAX_ROWS, _COLUMNS))
+            rows = fit_table(held + new)
+            padded = np.zeros((MAX_ROWS, COLUMNS))
             padded[:len(rows)] = rows
             self.table.assign(padded)
             self.num_rows.assign(len(rows))
@@ -182,7 +202,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             self.poisson_seen.assign(self.poisson_seen.numpy() + file_seen)
             if not held:  # the model's history starts at the file's
                 own = self.lineage.numpy()
-                self.lineage.assign(np.array([own[0], file_lineage[0], _total(file_rows)]))
+                self.lineage.assign(np.array([own[0], file_lineage[0], total_updates(file_rows)]))
         holder = self.__dict__.get("_holder", lambda: None)()
         if holder is not None:
             # The weights loaded with these DP updates refuse non-DP training,
@@ -209,7 +229,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 taken[ledger] = max(taken.get(ledger, 0), updates)
         rows, units, contributed = [], set(), []
         for source in sources:
-            new = _rows_after(source.rows(), taken.get(source, 0))
+            new = rows_after(source.rows(), taken.get(source, 0))
             rows += new
             if new:
                 units.add(source.privacy_unit)
@@ -228,12 +248,16 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 self._includes[ledger] = max(self._includes.get(ledger, 0), updates)
         if not rows:
             return
-        rows = _fit_table(rows)
-        table = np.zeros((MAX_ROWS, _COLUMNS))
+        rows = fit_table(rows)
+        table = np.zeros((MAX_ROWS, COLUMNS))
         table[:len(rows)] = rows
         self.table.assign(table)
         self.num_rows.assign(len(rows))
         self.unit.assign(PRIVACY_UNITS[units.pop()])
+        for source in contributed:  # a search a source was released by
+            if source.selection.numpy()[0] > 0:
+                self._add_selection(source.selection.numpy(),
+                                    first=len(contributed) == 1 and not taken)
         if len(contributed) == 1 and not taken:
             # its history starts at that ledger's: a file of it shares these
             source = contributed[0]
@@ -251,6 +275,34 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         table = np.asarray(self.table.numpy())
         count = int(self.num_rows.numpy())
         return [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
+
+    def record_selection(self, epsilon, delta):
+        """Record that this model was released by a private hyperparameter
+        search spending ``(epsilon, delta)`` (:func:`keras_dp_lm.tuning.private_search`),
+        which covers every update the ledger holds now (the released trial's)."""
+        if self.selection.numpy()[0] > 0 or not self.updates:
+            raise ValueError("record_selection() needs a ledger holding one trial's "
+                             "updates and no earlier search.")
+        self.selection.assign(np.array([float(epsilon), float(delta), float(self.updates)]))
+
+    def _add_selection(self, other, first):
+        """Compose another search's ``(epsilon, delta, covered)`` with this
+        ledger's: epsilons and deltas add; the updates it covers stay excluded
+        only if its rows come first (``first``), else they are counted too."""
+        own = self.selection.numpy()
+        covered = own[2] if own[0] > 0 else (other[2] if first else 0.0)
+        self.selection.assign(np.array([own[0] + other[0], own[1] + other[1], covered]))
+
+    def accounted_rows(self):
+        """The rows an accountant prices as DP-SGD updates: :meth:`rows` without
+        the updates a recorded search's epsilon covers (:meth:`selection_events`)."""
+        return rows_after(self.rows(), int(self.selection.numpy()[2]))
+
+    def selection_events(self):
+        """``[(epsilon, delta)]`` of the private search this model was released
+        by (composed with :meth:`accounted_rows`), or ``[]``."""
+        epsilon, delta, _ = self.selection.numpy()
+        return [(float(epsilon), float(delta))] if epsilon > 0 else []
 
     @property
     def privacy_unit(self):
@@ -382,11 +434,11 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         target = tf.where(same, last, tf.maximum(kind_last, 0))
         into_row = same | (full & (kind_last >= 0))
         compact = full & ~into_row
-        merged = _merge_rows(tf.gather(table, target), fresh)
+        merged = merge_rows(tf.gather(table, target), fresh)
         table = tf.where(
             compact,
             tf.concat([table[:MAX_ROWS - 2],
-                       _merge_rows(table[MAX_ROWS - 2], table[MAX_ROWS - 1])[None],
+                       merge_rows(table[MAX_ROWS - 2], table[MAX_ROWS - 1])[None],
                        fresh[None]], axis=0),
             tf.tensor_scatter_nd_update(
                 table, tf.reshape(tf.where(into_row, target, tf.minimum(rows, MAX_ROWS - 1)),
@@ -402,285 +454,3 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         self.poisson_seen.assign_add(tf.where(
             counted, self._expected_draw() + tf.stack([zero, zero, batch]),
             tf.zeros([3], tf.float64)))
-
-
-def _new_lineage_id():
-    """A random nonzero id for a ledger's history (0 means unknown)."""
-    return int.from_bytes(os.urandom(7), "big") + 1
-
-
-def _total(rows):
-    return sum(row[3] for row in rows)
-
-
-def _unit_name(code):
-    return next((name for name, c in PRIVACY_UNITS.items() if c == code), None)
-
-
-def _unshared_rows(held, lineage, file_rows, file_lineage):
-    """The rows of a loaded file that the ledger holding ``held`` (with
-    ``lineage``: own id, parent id, updates taken from the parent) does not
-    already count.
-
-    * nothing held: all of the file's rows;
-    * the file is an earlier state of this ledger, or of (a state no later
-      than) the one this ledger started from: none;
-    * the file continues the ledger this one started from (or this ledger):
-      its rows after the updates the two share;
-    * otherwise (an unrelated history, or a file from before lineages): all.
-    """
-    if not held:
-        return list(file_rows)
-    own, parent, from_parent = lineage
-    file_id, file_parent, file_from_parent = file_lineage
-    file_updates = _total(file_rows)
-    if file_id and file_id == own:
-        return [] if file_updates <= _total(held) else list(file_rows)
-    if file_id and file_id == parent:
-        return _rows_after(file_rows, from_parent) if file_updates > from_parent else []
-    if file_parent and file_parent == own:
-        return _rows_after(file_rows, file_from_parent)
-    return list(file_rows)
-
-
-def _is_keras_hub_task(model):
-    return any(cls.__name__ == "Task"
-               and cls.__module__.startswith(("keras_hub.", "keras_nlp."))
-               for cls in type(model).__mro__)
-
-
-def _merge_rows(a, b):
-    """One row for the updates of rows ``a`` and ``b`` (tensors), conservatively:
-    smallest sigma, largest q and batch, their counts summed."""
-    return tf.stack([tf.minimum(a[0], b[0]), tf.maximum(a[1], b[1]),
-                     tf.maximum(a[2], b[2]), a[3] + b[3]])
-
-
-def _by_kind(rows):
-    """``[fixed-size rows (q == 0), Poisson rows (q > 0)]``."""
-    return [[r for r in rows if r[1] == 0], [r for r in rows if r[1] > 0]]
-
-
-def _rows_after(rows, skip):
-    """``rows`` without their first ``skip`` updates.
-
-    Rows are in order until the table fills: a full table merges an update
-    into the last row *of its kind*, which may be an earlier row. Then the
-    ``n`` updates after ``skip`` cannot be told apart by position, and are
-    priced conservatively: ``n`` updates in each kind present, at that kind's
-    smallest sigma and largest q and batch (over-reports, never under)."""
-    if skip and len(rows) >= MAX_ROWS:
-        remaining = sum(r[3] for r in rows) - skip
-        if remaining <= 0:
-            return []
-        return [(min(r[0] for r in kind), max(r[1] for r in kind),
-                 max(r[2] for r in kind), remaining) for kind in _by_kind(rows) if kind]
-    out = []
-    for sigma, q, batch, updates in rows:
-        kept = updates - min(skip, updates)
-        skip -= updates - kept
-        if kept:
-            out.append((sigma, q, batch, kept))
-    return out
-
-
-def _fit_table(rows):
-    """``rows`` in at most ``MAX_ROWS`` rows: the last ones of each kind
-    (fixed-size, q == 0; Poisson, q > 0) merged into one, conservatively. A
-    fixed-size row is priced at its batch over the reader's dataset size, so it
-    never merges with a Poisson row (its q would reprice it)."""
-    if len(rows) <= MAX_ROWS:
-        return rows
-    kinds = _by_kind(rows)
-    room = MAX_ROWS - sum(1 for kind in kinds if kind)
-    kept = rows[:room]
-    merged = []
-    for kind in kinds:
-        tail = np.asarray([r for r in rows[room:] if (r[1] > 0) == (kind[0][1] > 0)]
-                          if kind else np.zeros((0, _COLUMNS)))
-        if len(tail):
-            merged.append((tail[:, 0].min(), tail[:, 1].max(), tail[:, 2].max(),
-                           tail[:, 3].sum()))
-    return kept + merged
-
-
-def _ledger_holder(model):
-    """The model whose weights the ledger describes: a KerasHub task's backbone
-    (saved alone by ``save_to_preset``, shared by the tasks built on it), else
-    the model itself (any other model with a ``backbone`` attribute keeps its
-    own: a shared public encoder is not charged with each head's updates)."""
-    if not _is_keras_hub_task(model):
-        return model
-    try:
-        backbone = getattr(model, "backbone", None)
-    except Exception:  # a property that cannot answer yet
-        backbone = None
-    return backbone if isinstance(backbone, keras.Model) and backbone is not model else model
-
-
-def ledger_of(model, create=True):
-    """The :class:`PrivacyLedger` of ``model`` (created empty on first use).
-
-    A KerasHub task keeps its ledger with its backbone, so ``save_to_preset``
-    / ``from_preset`` (which save and load the backbone's weights) carry it,
-    and every task built on that backbone counts the updates its weights
-    received.
-
-    Example:
-        >>> import keras, keras_dp_lm as kdp
-        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-        >>> kdp.ledger_of(model).updates
-        0
-    """
-    holder = _ledger_holder(model)
-    ledger = _LEDGERS.get(holder)
-    if ledger is None and create:
-        ledger = PrivacyLedger()
-        ledger.__dict__["_holder"] = weakref.ref(holder)
-        with tf.init_scope():  # eager, also when first asked inside a traced step
-            ledger.inherit(_marking_ledgers(holder))  # kept only if it could
-        _LEDGERS[holder] = ledger
-        register_model(holder)
-    return ledger
-
-
-# model -> its ledger. Not an attribute of the model: Keras saving walks a
-# model's attributes, and a ledger reachable at a second path would be loaded
-# twice, the second (empty) path clearing a refusal of the first.
-_LEDGERS = weakref.WeakKeyDictionary()
-
-
-def _marking_ledgers(model):
-    """The ledgers that marked any of ``model``'s variables (:func:`mark_dp_trained`)."""
-    found = {}
-    for variable in model.weights:
-        for ledger in getattr(variable, _DP_TRAINED, ()):
-            found[id(ledger)] = ledger
-    return list(found.values())
-
-
-_MODELS = weakref.WeakSet()  # models compiled, or whose ledger was read (registered)
-_REGISTERED = [0]  # how many models have registered so far
-
-
-def register_model(model):
-    """Remember ``model`` (weakly), so that a DP step training its weights
-    through another model records the update in its ledger
-    (:func:`sharing_ledgers`), and so that it refuses non-DP training once
-    they are DP-trained (:func:`mark_dp_trained`). A model registers when it
-    is compiled (:mod:`keras_dp_lm.training.binding`) and when its ledger is
-    created; a model that is neither has no ledger to update, and the one it
-    gets later starts from what its weights received (:meth:`PrivacyLedger.inherit`)."""
-    if model not in _MODELS:
-        _MODELS.add(model)
-        _REGISTERED[0] += 1
-
-
-def registered_models():
-    """The models alive that registered (:func:`register_model`)."""
-    return list(_MODELS)
-
-
-def models_registered():
-    """How many models have registered so far (:func:`register_model`): a
-    traced DP step whose value is older may miss a model sharing its weights."""
-    return _REGISTERED[0]
-
-
-def sharing_ledgers(model):
-    """The ledgers of the other models holding weights that a DP step of
-    ``model`` trains (created if missing), other than ``model``'s own: each
-    records that step's updates, so a model trained as part of another one (a
-    layer of it, held by a wrapper or custom layer, or the base of a new head)
-    and then saved or reused alone carries what its weights received (r34d
-    D2). A step traced before such a model registered is traced again at its
-    next call (``keras_dp_lm.training.step``). A model that never registered
-    (never compiled, its ledger never read) is not seen: its ledger, once
-    created, inherits what its weights received."""
-    own = ledger_of(model)
-    trained = {id(v) for v in model.trainable_variables}
-    ledgers = []
-    for other in list(_MODELS):
-        try:
-            weights = other.weights
-        except Exception:  # a model whose construction failed has no weights
-            continue
-        if other is model or not any(id(v) in trained for v in weights):
-            continue
-        ledger = ledger_of(other)
-        if ledger is not own and all(ledger is not seen for seen in ledgers):
-            ledgers.append(ledger)
-    return ledgers
-
-
-_DP_TRAINED = "_keras_dp_lm_dp_trained"
-_ANY_MARKED = [False]  # set once any variable in this process is marked
-
-
-def mark_dp_trained(variables, ledger):
-    """Mark ``variables`` as holding weights that DP training updated, with
-    the ``ledger`` that counts those updates: a DP step traced them, or they
-    were loaded with a ledger holding DP updates. Any model then refuses to
-    train them with a non-DP optimizer
-    (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`).
-    The variables hold the ledger itself, not a weak reference: a model built
-    on them after the training model is gone still finds those updates."""
-    for variable in variables:
-        ledgers = getattr(variable, _DP_TRAINED, None)
-        if ledgers is None:
-            ledgers = []
-            setattr(variable, _DP_TRAINED, ledgers)
-        if all(ledger is not held for held in ledgers):
-            ledgers.append(ledger)
-    _ANY_MARKED[0] = True
-    # Every registered model holding them now refuses non-DP training.
-    from keras_dp_lm.training import binding  # pylint: disable=import-outside-toplevel
-    with tf.init_scope():
-        binding.guard_models_holding(variables)
-
-
-def is_dp_trained(variable):
-    """Whether :func:`mark_dp_trained` marked ``variable``."""
-    return getattr(variable, _DP_TRAINED, None) is not None
-
-
-def dp_history(model):
-    """What DP training ``model``'s weights have received, as a comparable
-    value: the rows of its ledger and of every ledger that marked one of its
-    variables. Equal values mean no DP update and no DP file arrived between
-    the two readings (a model's own checkpoint reloaded leaves it equal)."""
-    ledgers = _marking_ledgers(model) + [ledger_of(model)]
-    return frozenset((id(ledger), tuple(ledger.rows())) for ledger in ledgers
-                     if ledger.num_rows.numpy() > 0)
-
-
-def any_dp_trained():
-    """Whether any variable of this process is marked. Every ledger row comes
-    from a traced DP step or a load, and both mark, so until then no model
-    holds DP updates (plain Keras training skips the guard's walk)."""
-    return _ANY_MARKED[0]
-
-
-class _LedgerView(keras_internals.KerasSaveable):
-    """A task's ``dp_ledger`` as Keras saving sees it: its backbone's ledger,
-    saved again at the task's own path (files written before the ledger moved
-    to the backbone hold it there; Keras visits the backbone first, so this
-    path, loaded last, wins)."""
-
-    def __init__(self, ledger):
-        self._ledger = lambda: ledger  # a callable: Keras does not walk into it
-
-    def _obj_type(self):
-        return self._ledger()._obj_type()
-
-    def save_own_variables(self, store):
-        self._ledger().save_own_variables(store)
-
-    def load_own_variables(self, store):
-        self._ledger().load_own_variables(store)
-
-
-def saved_ledger(model):
-    """``model.dp_ledger``: what Keras saves and loads as the model's ledger."""
-    ledger = ledger_of(model)
-    return ledger if _ledger_holder(model) is model else _LedgerView(ledger)

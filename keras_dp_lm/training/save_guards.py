@@ -33,8 +33,8 @@ import types
 from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.optimizers import is_dp_optimizer
 from keras_dp_lm.training import keras_internals
-from keras_dp_lm.training.ledger import is_dp_trained
-from keras_dp_lm.training.ledger import ledger_of
+from keras_dp_lm.training.weight_marks import is_dp_trained
+from keras_dp_lm.training.model_ledgers import ledger_of
 
 LEGACY_SUFFIXES = (".h5", ".hdf5")
 _GUARDED = "_keras_dp_lm_save_guard"

@@ -43,10 +43,10 @@ from keras_dp_lm.training.batches import _micro_batch_rows
 from keras_dp_lm.training.batches import _pad_to_multiple
 from keras_dp_lm.training.batches import _split_micro_batches
 from keras_dp_lm.training.batches import _unpack
-from keras_dp_lm.training.ledger import ledger_of
-from keras_dp_lm.training.ledger import mark_dp_trained
-from keras_dp_lm.training.ledger import models_registered
-from keras_dp_lm.training.ledger import sharing_ledgers
+from keras_dp_lm.training.model_ledgers import ledger_of
+from keras_dp_lm.training.weight_marks import mark_dp_trained
+from keras_dp_lm.training.weight_marks import models_registered
+from keras_dp_lm.training.model_ledgers import sharing_ledgers
 from keras_dp_lm.training.losses import _model_outputs
 from keras_dp_lm.training.losses import _probe_losses
 from keras_dp_lm.training.losses import _step_losses

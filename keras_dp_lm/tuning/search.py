@@ -82,8 +82,11 @@ class SearchResult:
     """What a private search releases: the best trial alone.
 
     Attributes:
-        model: the best trial's trained model (its ledger holds that trial's
-            updates; the search's total is :attr:`epsilon`).
+        model: the best trial's trained model. Its ledger counts the whole
+            search (:attr:`epsilon` at :attr:`delta`, covering the trial's
+            updates), so a ``PrivacyAccountant`` on it, or on later DP training
+            of it, reports at least the search's epsilon; the number of trials
+            is not recorded.
         candidate: its :class:`Candidate`.
         score: its noisy validation score, as a fraction of the validation part.
         epsilon: the whole search's epsilon at :attr:`delta` (RDP accountant).
@@ -210,7 +213,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     from keras_dp_lm.data import poisson_batches
     from keras_dp_lm.optimizers import DPAdam
     from keras_dp_lm.training import keras_internals
-    from keras_dp_lm.training.ledger import ledger_of
+    from keras_dp_lm.training.model_ledgers import ledger_of
 
     candidates = _check_candidates(candidates)
     if not 0 < validation_fraction < 1:
@@ -311,6 +314,9 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         raise RuntimeError("The search drew no trial (Poisson K = 0): nothing is released.")
     released = best[2]
     _forget_training_traces(released)
+    # Its ledger now counts the whole search, which covers the trial's updates:
+    # an accountant on it (and any later DP training) starts from the search.
+    ledger_of(released).record_selection(spent, delta)
     return SearchResult(
         model=released, candidate=best[1], score=float(best[0]), epsilon=spent,
         delta=float(delta), dp_event=event, noise_multiplier=sigma, sampling_rate=q,
