@@ -1,9 +1,11 @@
 """keras_dp_lm: differentially private vocabularies, training and decoding for Keras 3.
 
 Once Keras is imported (before or after this package), ``keras.Model.compile``
-is patched so that compiling with a DP optimizer binds the DP train step:
-``model.fit`` then trains privately, and DP optimizers, samplers and layers are
-registered for ``keras.models.load_model``. Names are imported on first use,
+is the one binding point: compiling with a DP optimizer binds the DP train step
+to that model (``model.fit`` then trains privately), and a ``dp_ledger``
+property lets every model's file carry its privacy ledger; nothing else in
+Keras's classes changes (:mod:`keras_dp_lm.training.binding`). DP optimizers,
+samplers and layers are registered for ``keras.models.load_model``. Names are imported on first use,
 so ``import keras_dp_lm.accounting`` (pure arithmetic) never loads TensorFlow.
 
 Example:

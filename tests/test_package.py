@@ -22,9 +22,6 @@ import pathlib  # noqa: E402
 
 PACKAGE = pathlib.Path(keras_dp_lm.__file__).parent
 MAX_MODULE_LINES = 500
-# Temporarily exempt: keras_dp_lm/training/ledger.py is being split in its own
-# change (issue 39); remove it from here once it is under the limit.
-LINE_LIMIT_EXEMPT = {"training/ledger.py"}
 
 
 def _modules():
@@ -69,7 +66,7 @@ def _private_imports_across_subpackages():
 def test_no_module_is_over_500_lines():
     long = {_relative(path): n for path in _modules()
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert not {name: n for name, n in long.items() if name not in LINE_LIMIT_EXEMPT}, long
+    assert not long, long
 
 
 def test_no_private_name_is_imported_across_subpackages():
