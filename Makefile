@@ -63,10 +63,12 @@ test-oldest: $(VENV_OLDEST)/.installed
 	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY_OLDEST) -m pytest -q -p no:cacheprovider \
 		-n 2 --dist worksteal -m "not slow and not zoo" $(OLDEST_TESTS)
 
-# The edit loop (under 2 minutes): tests not marked slow or zoo, no doctests.
+# The edit loop: the privacy-critical fast subset `test-oldest` runs (exactness
+# against naive per-example loops, noise, ledger, binding, accounting), on the newest
+# set, two workers; `make test` runs everything.
 test-fast: install data
 	KERAS_DP_LM_DATA=$(abspath $(DATA)) $(PY) -m pytest -q -p no:cacheprovider -x \
-		-m "not slow and not zoo" tests
+		-n 2 --dist worksteal -m "not slow and not zoo" $(OLDEST_TESTS)
 
 bench: install data
 	$(PY) benchmarks/bench_clipping.py
