@@ -207,3 +207,24 @@ def test_the_released_models_ledger_counts_the_whole_search(tmp_path):
     assert accountant.epsilon > result.epsilon
     report = accountant.report()
     assert report["epsilon"] == accountant.epsilon and report["search"]["epsilon"] == result.epsilon
+
+
+def test_an_inner_model_of_the_released_model_counts_the_search_too():
+    """The trial's DP steps also record their updates in the ledger of a model
+    inside the released one (saved or reused alone later): that ledger must
+    carry the search as well, not the trial's updates alone."""
+    x, y = toy()
+    bases = []
+
+    def build(candidate):
+        base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+        bases.append(base)
+        return keras.Sequential([base, keras.layers.Dense(2)])
+
+    result = tuning.private_search(
+        build, x, y, target_epsilon=3.0, delta=1e-5, epochs=4.0, min_steps=10,
+        candidates=[tuning.Candidate(0.1)], mean_trials=2.0, seed=5)
+    base = next(b for b in bases if b is result.model.layers[0])
+    assert ledger_of(base).updates == result.steps
+    assert ledger_of(base).selection_events() == [(result.epsilon, result.delta)]
+    assert ledger_of(base).accounted_rows() == []

@@ -276,14 +276,17 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         count = int(self.num_rows.numpy())
         return [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
 
-    def record_selection(self, epsilon, delta):
+    def record_selection(self, epsilon, delta, covers=None):
         """Record that this model was released by a private hyperparameter
         search spending ``(epsilon, delta)`` (:func:`keras_dp_lm.tuning.private_search`),
-        which covers every update the ledger holds now (the released trial's)."""
-        if self.selection.numpy()[0] > 0 or not self.updates:
+        whose epsilon covers the first ``covers`` updates the ledger holds (the
+        released trial's; default: all of them). Updates it does not cover are
+        counted on top of it."""
+        covers = self.updates if covers is None else int(covers)
+        if self.selection.numpy()[0] > 0 or not self.updates or not 0 <= covers <= self.updates:
             raise ValueError("record_selection() needs a ledger holding one trial's "
                              "updates and no earlier search.")
-        self.selection.assign(np.array([float(epsilon), float(delta), float(self.updates)]))
+        self.selection.assign(np.array([float(epsilon), float(delta), float(covers)]))
 
     def _add_selection(self, other, first):
         """Compose another search's ``(epsilon, delta, covered)`` with this

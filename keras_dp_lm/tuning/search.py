@@ -214,6 +214,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     from keras_dp_lm.optimizers import DPAdam
     from keras_dp_lm.training import keras_internals
     from keras_dp_lm.training.model_ledgers import ledger_of
+    from keras_dp_lm.training.model_ledgers import sharing_ledgers
 
     candidates = _check_candidates(candidates)
     if not 0 < validation_fraction < 1:
@@ -315,8 +316,14 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     released = best[2]
     _forget_training_traces(released)
     # Its ledger now counts the whole search, which covers the trial's updates:
-    # an accountant on it (and any later DP training) starts from the search.
-    ledger_of(released).record_selection(spent, delta)
+    # an accountant on it (and any later DP training) starts from the search. So
+    # does the ledger of every model inside it that recorded those updates (a
+    # base saved or reused alone later). The search covers the trial's updates
+    # only where they are all a ledger holds; elsewhere every row counts too.
+    for ledger in [ledger_of(released), *sharing_ledgers(released)]:
+        if ledger.updates:
+            ledger.record_selection(spent, delta,
+                                    covers=steps if ledger.updates == steps else 0)
     return SearchResult(
         model=released, candidate=best[1], score=float(best[0]), epsilon=spent,
         delta=float(delta), dp_event=event, noise_multiplier=sigma, sampling_rate=q,
