@@ -141,8 +141,9 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         _check_train_step_not_overridden(self)
         refusals.check_model(self)
         guard(self)
-        for ledger in sharing_ledgers(self):  # created in the strategy scope compile runs in
-            guard_holder_of(ledger)
+        # Created in the strategy scope compile runs in. The models holding them
+        # are guarded when the step marks the weights it trains (weight_marks).
+        sharing_ledgers(self)
         save_guards.guard_model(self)
         self.train_step = types.MethodType(dp_train_step, self)
         own["_maybe_symbolic_build"] = types.MethodType(_symbolic_build_distributed_safe, self)
@@ -309,13 +310,6 @@ def guard(model):
     function = getattr(model, "train_function", None)  # made before the guards
     if function is not None and not getattr(function, "_keras_dp_lm_checked", False):
         model.train_function = _CheckedTrainFunction(model, function)
-
-
-def guard_holder_of(ledger):
-    """:func:`guard` the model whose weights ``ledger`` describes, if alive."""
-    holder = ledger.__dict__.get("_holder", lambda: None)()
-    if holder is not None:
-        guard(holder)
 
 
 def guard_models_holding(variables):
