@@ -2,6 +2,7 @@
 called directly) and the objects it builds."""
 
 import math
+import warnings
 
 import dp_accounting
 import pytest
@@ -95,6 +96,7 @@ def test_batch_is_capped_and_the_budget_buys_more_steps():
     assert recipe.learning_rate == pytest.approx(4e-4 * recipe.noise_learning_rate_factor)
 
 
+@pytest.mark.filterwarnings("ignore::keras_dp_lm.recipes.NoiseDominatedWarning")
 def test_learning_rate_is_raised_for_the_noise_in_adams_second_moment():
     kwargs = dict(dataset_size=10_222, target_epsilon=3.0, epochs=3.0, learning_rate=1e-4,
                   reference_batch_size=32)
@@ -137,14 +139,35 @@ def test_a_new_head_gets_the_displacement_rate_whatever_the_non_private_rate():
 
 def test_explain_names_the_regime_and_says_to_train_fewer_parameters_when_swamped():
     # the issue's failing case: 3,600 examples, the whole 22M-parameter MiniLM
-    swamped = suggest_recipe(3_600, 3.0, 1e-6, epochs=3.0, learning_rate=5e-5,
-                             num_parameters=22_000_000)
+    from keras_dp_lm.recipes import NoiseDominatedWarning
+
+    with pytest.warns(NoiseDominatedWarning):
+        swamped = suggest_recipe(3_600, 3.0, 1e-6, epochs=3.0, learning_rate=5e-5,
+                                 num_parameters=22_000_000)
     assert swamped.noise_to_signal > 100
     assert "regime: noise-dominated" in swamped.explain()
     assert "train fewer parameters" in swamped.explain()
     probe = suggest_recipe(3_000, 3.0, 1e-6, epochs=50.0, num_parameters=770)
     assert probe.noise_to_signal < 10 and "regime: signal-carrying" in probe.explain()
     assert "train fewer parameters" not in probe.explain()
+
+
+def test_noise_dominated_fine_tuning_warns_and_names_the_fix():
+    """The suite's failing case (MiniLM top 2 layers, 3,000 reviews, r = 74)
+    warns; a head, a signal-carrying fine-tuning and a head rule do not."""
+    from keras_dp_lm.recipes import NoiseDominatedWarning
+
+    with pytest.warns(NoiseDominatedWarning, match="trainable='head'") as caught:
+        swamped = suggest_recipe(3_000, 3.0, 1e-5, epochs=3.0, learning_rate=1e-4,
+                                 num_parameters=3_697_538)
+    assert swamped.noise_to_signal > 10
+    assert caught[0].filename == __file__  # points at the caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoiseDominatedWarning)
+        assert suggest_recipe(3_000, 3.0, 1e-5, epochs=3.0, trainable="head",
+                              num_parameters=3_697_538).trainable == "head"
+        assert suggest_recipe(50_000, 8.0, 1e-6, epochs=2.0, learning_rate=1e-3,
+                              num_parameters=200_000).noise_to_signal < 10
 
 
 def test_without_the_parameter_count_the_rate_is_uncorrected_and_says_so():

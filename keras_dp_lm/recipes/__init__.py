@@ -8,6 +8,7 @@ Example:
 """
 
 from keras_dp_lm.recipes.fine_tuning import DPRecipe
+from keras_dp_lm.recipes.fine_tuning import NoiseDominatedWarning
 from keras_dp_lm.recipes.fine_tuning import suggest_recipe
 
-__all__ = ["DPRecipe", "suggest_recipe"]
+__all__ = ["DPRecipe", "NoiseDominatedWarning", "suggest_recipe"]

@@ -76,7 +76,7 @@ from keras_dp_lm.accounting import epsilon as epsilon_lib
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.overflow import suggest_max_batch_size
 
-__all__ = ["DPRecipe", "suggest_recipe"]
+__all__ = ["DPRecipe", "NoiseDominatedWarning", "suggest_recipe"]
 
 # The share of delta reserved for a Poisson draw above the padded cap.
 OVERFLOW_SHARE = 1e-3
@@ -86,6 +86,14 @@ HEAD_DISPLACEMENT = 2.0
 TRAINABLE = ("pretrained", "head")
 # Above this noise-to-signal ratio the noise swamps most coordinates' updates.
 NOISE_DOMINATED = 10.0
+
+
+class NoiseDominatedWarning(UserWarning):
+    """:func:`suggest_recipe` made a fine-tuning recipe whose DP noise swamps the
+    signal of most trainable parameters (``noise_to_signal`` above 10): train fewer
+    parameters (``trainable="head"`` on frozen features, or LoRA), use more data or
+    a larger batch. Filter it with ``warnings.simplefilter("ignore",
+    NoiseDominatedWarning)`` once you have read it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +421,13 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
         reasons.append(f"regime: {regime} (noise-to-signal r = {ratio:.3g} per coordinate; "
                        f"above {NOISE_DOMINATED:g} the noise swamps most coordinates' "
                        f"updates).{advice}")
+        if advice:
+            warnings.warn(
+                f"suggest_recipe: noise-dominated DP fine-tuning (r = {ratio:.3g} > "
+                f"{NOISE_DOMINATED:g}): expect a large loss of accuracy, possibly no "
+                "learning at all (MiniLM, top 2 layers, on 3,000 Rotten Tomatoes reviews at "
+                "r = 74 stayed at the majority class; on 10,222 at r = 23 it learned, 5 "
+                f"points below non-private).{advice}.", NoiseDominatedWarning, stacklevel=2)
     overflow_probability = overflow_delta / (1.0 + math.exp(target_epsilon))
     accumulation = 1
     if micro_batch_size is not None:
