@@ -12,8 +12,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.cpu_count() or 1)
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(max(1, _cores // max(1, _workers))))
 
+import gc  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported now (TensorFlow, Keras, KerasHub: over a
+    million long-lived objects): move them out of the garbage collector's view,
+    so that each full collection during the tests (~20 per privacy-critical
+    file, ~0.5 s each) scans only the objects the tests create. Nothing frozen
+    is garbage (collected first); objects created later are collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -33,6 +33,23 @@ def direct_epsilon(sigma, q, steps, delta, name):
     return acc.compose(event).get_epsilon(delta)
 
 
+def direct_pld_epsilons(sigma, q, steps, delta):
+    """``[direct_epsilon(sigma, q, n, delta, "pld") for n in steps]`` computed as
+    PLDAccountant computes each (its default discretization, the one-update PLD
+    self-composed n times, composed into the identity), with the one-update PLD
+    built once instead of once per n: the same values to the last bit."""
+    one = pld_lib.from_gaussian_mechanism(
+        standard_deviation=sigma, value_discretization_interval=1e-4, sampling_prob=q,
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    identity = pld_lib.identity(value_discretization_interval=1e-4)
+    return [identity.compose(one.self_compose(n)).get_epsilon_for_delta(delta) for n in steps]
+
+
+def test_direct_pld_epsilons_are_pld_accountants():
+    assert direct_pld_epsilons(1.0, 0.125, [1, 5], 1e-3) == [
+        direct_epsilon(1.0, 0.125, n, 1e-3, "pld") for n in (1, 5)]
+
+
 SETTINGS = [  # sigma, q, steps, delta
     (1.1, 256 / 60000, 1000, 1e-5),
     (0.8, 0.01, 500, 1e-6),
@@ -380,7 +397,7 @@ def test_epsilon_in_logs_csv_and_progress_bar(tmp_path, capsys):
     assert [float(r["epsilon"]) for r in rows] == pytest.approx(expected, rel=1e-12)
     # Per batch: the same (PLD) accountant, an upper bound on the epsilon of the
     # updates applied so far, never decreasing, exact at the last batch; never RDP.
-    exact = [direct_epsilon(1.0, q, n, 1e-3, "pld") for n in range(1, 17)]
+    exact = direct_pld_epsilons(1.0, q, range(1, 17), 1e-3)
     rdp = [accounting.compute_epsilon(1.0, q, n, 1e-3, "rdp") for n in range(1, 17)]
     assert all(e <= b < r for e, b, r in zip(exact, batch_eps, rdp))
     assert batch_eps == sorted(batch_eps)
