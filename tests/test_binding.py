@@ -52,13 +52,87 @@ _BOUND = {"fit", "train_on_batch", "make_train_function", "train_step",
           "_maybe_symbolic_build", "save", "get_config"}
 
 
+_PLAIN_PROCESS = r"""
+import json, numpy as np, keras, keras_dp_lm as kdp
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile(optimizer="adam", loss="mse")
+model.fit(np.ones((4, 3)), np.zeros((4, 1)), verbose=0)
+model.train_on_batch(np.ones((4, 3)), np.zeros((4, 1)))
+print(json.dumps({"own": sorted(model.__dict__),
+                  "ledger": kdp.ledger_of(model, create=False) is not None}))
+"""
+
+
 def test_a_model_without_a_dp_optimizer_runs_kerass_own_code():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(optimizer="adam", loss="mse")
-    model.fit(np.ones((4, 3)), np.zeros((4, 1)), verbose=0)
-    model.train_on_batch(np.ones((4, 3)), np.zeros((4, 1)))
-    assert not _BOUND & set(model.__dict__)
-    assert kdp.ledger_of(model, create=False) is None
+    """In a process that has not DP-trained anything, a plain model gets no
+    instance attribute from keras_dp_lm and no ledger."""
+    result = subprocess.run([sys.executable, "-c", _PLAIN_PROCESS], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not _BOUND & set(report["own"]) and not report["ledger"]
+
+
+def _dp_trained_layer(x, y):
+    layer = keras.layers.Dense(3)
+    dp = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dense(1)])
+    dp.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    dp.fit(x, y, batch_size=4, verbose=0)
+    return dp, layer
+
+
+class _Wrapper(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.body = None
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.head(inputs if self.body is None else self.body(inputs))
+
+
+@pytest.mark.parametrize("how", ["sequential_add_layer", "sequential_add_dp_model",
+                                 "attribute"])
+def test_a_plain_model_that_takes_dp_trained_weights_after_its_compile_is_refused(how):
+    """Audit F1: a plain model compiled first, then given DP-trained weights
+    without a compile (``Sequential.add`` of the layer or of the DP model, a
+    layer assigned to a subclassed model), trained them with plain SGD: the
+    kernel moved by 587-1.8e6 and the DP model's ledger did not count it."""
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    if how == "attribute":
+        plain = _Wrapper()
+    else:
+        plain = keras.Sequential([keras.Input((3,))])
+    plain.compile(optimizer="sgd", loss="mse")  # before any DP training, maybe
+    dp, layer = _dp_trained_layer(x, y)
+    if how == "sequential_add_layer":
+        plain.add(layer)
+        plain.add(keras.layers.Dense(1))
+    elif how == "sequential_add_dp_model":
+        plain.add(dp)
+    else:
+        plain.body = layer
+    before = layer.kernel.numpy().copy()
+    with pytest.raises(RuntimeError, match="refused to train"):
+        plain.fit(x * 100, y + 100, batch_size=8, verbose=0)
+    with pytest.raises(RuntimeError, match="refused to train"):
+        plain.train_on_batch(x * 100, y + 100)
+    np.testing.assert_array_equal(before, layer.kernel.numpy())
+    assert kdp.ledger_of(dp).updates == 2
+
+
+def test_a_plain_model_holding_no_dp_trained_weights_trains_after_dp_training():
+    """The guards a plain model gets once the process has DP-trained weights
+    let it train its own weights, as Keras would."""
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    _dp_trained_layer(x, y)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    plain.compile(optimizer="sgd", loss="mse")
+    before = plain.layers[0].kernel.numpy().copy()
+    plain.fit(x, y + 1, batch_size=8, verbose=0)
+    plain.train_on_batch(x, y + 1)
+    assert not np.array_equal(before, plain.layers[0].kernel.numpy())
+    assert kdp.ledger_of(plain, create=False) is None
 
 
 def test_a_dp_model_is_bound_and_a_recompile_without_dp_keeps_only_the_guards():
@@ -82,7 +156,6 @@ def test_a_plain_model_compiled_before_its_layer_is_dp_trained_is_guarded_then()
     shared = keras.layers.Dense(1)
     plain = keras.Sequential([keras.Input((3,)), shared])
     plain.compile(optimizer="adam", loss="mse")
-    assert "fit" not in plain.__dict__
     dp = keras.Sequential([keras.Input((3,)), shared])
     dp.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
     dp.fit(x, y, batch_size=4, verbose=0)

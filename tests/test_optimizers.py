@@ -193,7 +193,11 @@ def test_recompiling_without_dp_unbinds_the_step():
     model = _compiled_dense()
     assert "train_step" in model.__dict__
     model.compile(optimizer="sgd", loss=SCCE)
-    assert "train_step" not in model.__dict__
+    # the DP step is gone; the guards stay once the process holds DP-trained weights
+    from keras_dp_lm.training.binding import is_bound_to_dp_step
+
+    assert not is_bound_to_dp_step(model)
+    assert "_maybe_symbolic_build" not in model.__dict__
 
 
 def test_make_private_custom_loop():

@@ -9,12 +9,19 @@ time, as instance attributes:
 * a model compiled with a DP optimizer gets the DP ``train_step``
   (:func:`~keras_dp_lm.training.step.dp_train_step`), its
   ``make_train_function`` and ``_maybe_symbolic_build``, and the guards;
-* a model holding DP-trained weights (compiled on them, sharing them with a
-  DP model, or loading them with a ledger) gets only the guards: ``fit``,
-  ``train_on_batch``, its train functions and ``train_step`` refuse, before
-  any update, training its ledger could not count
-  (:mod:`keras_dp_lm.training.fit_guards`);
-* any other model runs Keras's own code.
+* once the process holds DP-trained weights (a DP step traced, or a file with
+  DP updates loaded), every compiled model gets only the guards, compiled
+  before or after: ``fit``, ``train_on_batch``, its train functions and
+  ``train_step`` refuse, before any update, training its ledger could not
+  count (:mod:`keras_dp_lm.training.fit_guards`). They check the weights the
+  model holds at each call, so a model that takes DP-trained weights after
+  its compile (``Sequential.add``, a layer assigned as an attribute) is
+  refused too; a model holding none trains as Keras would;
+* until then, any model compiled without a DP optimizer runs Keras's own code.
+
+Not covered: a model compiled before ``import keras_dp_lm`` (the patched
+``compile`` never saw it) and calls of Keras's class methods on a model
+(``keras.Model.fit(model, ...)``), which skip its instance attributes.
 
 Every touch of Keras's private API is in
 :mod:`keras_dp_lm.training.keras_internals`.
@@ -32,6 +39,7 @@ from keras_dp_lm.training import keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training import save_guards
 from keras_dp_lm.training.model_ledgers import ledger_of
+from keras_dp_lm.training.weight_marks import any_dp_trained
 from keras_dp_lm.training.weight_marks import register_model
 from keras_dp_lm.training.weight_marks import registered_models
 from keras_dp_lm.training.model_ledgers import sharing_ledgers
@@ -121,8 +129,9 @@ _original_compile = internals.Trainer.compile
 def _compile_with_dp_binding(self, *args, **kwargs):
     """``compile``, then the binding: a model compiled with a DP optimizer gets
     the DP step and its guards (instance attributes); a model compiled with
-    another optimizer runs Keras's own code, unless it holds DP-trained weights
-    (then only the guards, which refuse training its ledger could not count)."""
+    another optimizer runs Keras's own code until the process holds DP-trained
+    weights (then only the guards, which refuse training its ledger could not
+    count)."""
     _original_compile(self, *args, **kwargs)
     own = self.__dict__
     if is_dp_optimizer(getattr(getattr(self, "optimizer", None), "inner_optimizer", None)):
@@ -159,7 +168,7 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         if is_bound_to_dp_step(self):  # recompiled without DP: unbind the step
             for name in ("train_step", "make_train_function", "_maybe_symbolic_build"):
                 own.pop(name, None)
-        if fit_guards.holds_dp_training(self):
+        if any_dp_trained():  # it may hold DP-trained weights now or later
             guard(self)
     fit_guards.forget_permission(self)
 
@@ -312,6 +321,14 @@ def guard(model):
         model.train_function = _CheckedTrainFunction(model, function)
 
 
+def guard_registered_models():
+    """:func:`guard` every registered model (compiled, or with a ledger): the
+    process has just DP-trained (or loaded) its first weights, and a model
+    compiled before may take them later without a compile."""
+    for model in registered_models():
+        guard(model)
+
+
 def guard_models_holding(variables):
     """:func:`guard` every compiled model (and model with a ledger) that holds
     one of ``variables``: they now hold DP-trained weights."""
@@ -332,8 +349,8 @@ def install():
     These are the only class members keras_dp_lm changes. ``compile`` with a
     DP optimizer binds the DP step and its guards to that model, as instance
     attributes; a model compiled with another optimizer runs Keras's own code
-    unless it holds DP-trained weights (then its guards refuse training the
-    ledger could not count). ``dp_ledger`` lets every model's file carry its
+    until the process holds DP-trained weights (then its guards refuse training
+    the ledger could not count). ``dp_ledger`` lets every model's file carry its
     privacy ledger, and any model (even one never compiled) read it back: a
     model loading a DP file must count the updates its weights received.
     """

@@ -135,15 +135,6 @@ def _inner_models(model):
             stack.extend(getattr(layer, "layers", ()))
 
 
-def holds_dp_training(model):
-    """Whether ``model`` holds weights DP training updated: its ledger, an
-    inner model's, or one of its variables (:func:`~keras_dp_lm.training.weight_marks.mark_dp_trained`)."""
-    if not any_dp_trained():
-        return False
-    return (_has_dp_updates(model) or any(_has_dp_updates(m) for m in _inner_models(model))
-            or any(is_dp_trained(v) for v in model.weights))
-
-
 def _refuse_non_private(model, optimizer):
     if not any_dp_trained():
         return

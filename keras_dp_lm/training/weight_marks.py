@@ -4,6 +4,8 @@ A DP step (or a load of a file with DP updates) marks the variables it
 trained with the ledger that counts those updates (:func:`mark_dp_trained`);
 any model holding a marked variable then refuses non-DP training, and a
 ledger created later for a model built on them starts from those updates.
+Once anything is marked, every compiled model carries the guards, which check
+at each fit and train-function call which weights it holds then.
 Models register when compiled or when their ledger is created
 (:func:`register_model`), so that a DP step also records its updates in
 the ledgers of the other models holding the weights it trains.
@@ -76,11 +78,19 @@ def mark_dp_trained(variables, ledger):
             setattr(variable, _DP_TRAINED, ledgers)
         if all(ledger is not held for held in ledgers):
             ledgers.append(ledger)
+    first = not _ANY_MARKED[0]
     _ANY_MARKED[0] = True
-    # Every registered model holding them now refuses non-DP training.
+    # Every registered model holding them now refuses non-DP training. At the
+    # first mark of the process, every registered model gets the guards: one
+    # compiled now may take DP-trained weights later (``Sequential.add``, a layer
+    # assigned as an attribute) without a compile; models compiled from now on
+    # are guarded at compile.
     from keras_dp_lm.training import binding  # pylint: disable=import-outside-toplevel
     with tf.init_scope():
-        binding.guard_models_holding(variables)
+        if first:
+            binding.guard_registered_models()
+        else:
+            binding.guard_models_holding(variables)
 
 
 def is_dp_trained(variable):
