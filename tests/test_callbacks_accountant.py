@@ -329,3 +329,34 @@ def test_only_keras_hub_tasks_keep_their_ledger_with_a_backbone():
     first, second = Classifier(encoder), Classifier(encoder)
     assert kdp.ledger_of(first) is not kdp.ledger_of(second)
     assert kdp.ledger_of(first) is not kdp.ledger_of(encoder)
+
+
+@pytest.mark.filterwarnings("ignore:max_batch_size")
+def test_the_statement_counts_the_chance_of_a_batch_above_its_cap():
+    """Audit F6: truncated draws above the padded cap differ from Poisson
+    sampling; the guarantee is (eps, delta + (1 + e^eps) p), p the chance of
+    an overflow over the run (keras_dp_lm.data.poisson). With a cap that
+    overflows almost surely the statement said (1.58, 0.001) without a word."""
+    import math
+
+    from keras_dp_lm.data import overflow_probability
+
+    n, q, steps = 200, 0.1, 10
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(n, 4)).astype("float32"), np.zeros((n, 1), "float32")
+    for cap, vacuous in ((12, True), (kdp.suggest_max_batch_size(n, q, steps), False)):
+        batches = kdp.poisson_batches((x, y), q, max_batch_size=cap, overflow="truncate",
+                                      num_steps=steps, seed=1)
+        p = overflow_probability(n, q, cap, steps)
+        assert batches.overflow_probability == p
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                          expected_batch_size=q * n), loss="mse")
+        accountant = PrivacyAccountant(delta=1e-3, batches=batches, verbose=0)
+        model.fit(batches, callbacks=[accountant], verbose=0)
+        report = accountant.report()
+        assert report["overflow_probability"] == p
+        assert report["delta_with_overflow"] == pytest.approx(
+            min(1.0, 1e-3 + (1 + math.exp(report["epsilon"])) * p))
+        assert ("no guarantee" in accountant.statement()) is vacuous
+        assert report["delta_with_overflow"] > (0.5 if vacuous else 1e-3)

@@ -184,6 +184,14 @@ def privacy_statement(report):
             f"adjacency ({r['accountant'].upper()} accountant; the "
             f"{other.upper()} accountant gives epsilon = {format_epsilon(r['epsilon_' + other])}).")
     lines.append(f"Sampling: {r['sampling_note']}.")
+    if r.get("overflow_probability"):
+        with_overflow = r["delta_with_overflow"]
+        lines.append(
+            f"The batches' padded cap is exceeded with probability "
+            f"{r['overflow_probability']:.3g} over the run, where the draws are no longer "
+            f"Poisson: counting it, delta = {with_overflow:.3g}"
+            + (" (no guarantee: pick max_batch_size with suggest_max_batch_size)"
+               if with_overflow >= 0.01 else "") + ".")
     if r.get("target_epsilon") is not None:
         lines.append(
             f"Target epsilon {format_number(float(r['target_epsilon']))}: at most "

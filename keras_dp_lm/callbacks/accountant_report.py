@@ -1,6 +1,7 @@
 """The report of :class:`~keras_dp_lm.callbacks.PrivacyAccountant`: what the model has received so far."""
 
 import copy
+import math
 
 from keras_dp_lm.accounting.epsilon import ledger_epsilon
 from keras_dp_lm.accounting.events import ledger_events
@@ -91,5 +92,14 @@ def accountant_report(accountant):
         "stopped_at": accountant.stopped_at,
         "privacy_unit": unit,
     })
+    overflow = accountant._overflow_probability
+    if overflow > 0:
+        # The draws differ from Poisson sampling only when a batch overflows its
+        # cap (probability `overflow` over the run), for both neighbours.
+        eps = report["epsilon"]
+        report["overflow_probability"] = overflow
+        report["delta_with_overflow"] = (
+            1.0 if not math.isfinite(eps) or eps > 700
+            else min(1.0, accountant.delta + (1.0 + math.exp(eps)) * overflow))
     accountant._report_cache = (key, copy.deepcopy(report))
     return report

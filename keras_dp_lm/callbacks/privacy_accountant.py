@@ -136,6 +136,9 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
                  extra_events=(), examples_per_user=None, verbose=1):
         super().__init__()
         self._batches_rate = None
+        # A Poisson draw above the batches' padded cap (module docstring of
+        # keras_dp_lm.data.poisson): the guarantee's delta grows by (1 + e^eps) p.
+        self._overflow_probability = float(getattr(batches, "overflow_probability", 0.0))
         if batches is not None:
             rate = getattr(batches, "sampling_rate", None)
             size = getattr(batches, "dataset_size", None)

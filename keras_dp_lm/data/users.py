@@ -33,6 +33,7 @@ number of users ``U_b`` is padded to a few buckets like
 import numpy as np
 import tensorflow as tf
 
+from keras_dp_lm.accounting.overflow import overflow_probability
 from keras_dp_lm.clipping.interface import check_examples_per_user
 from keras_dp_lm.data.draws import _buckets
 from keras_dp_lm.data.draws import _check_sampling
@@ -161,6 +162,10 @@ def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     dataset.sampling_rate, dataset.dataset_size = sampling_rate, num_users
     dataset.examples_per_user, dataset.num_records = k, n
+    # p of the module docstring of keras_dp_lm.data.poisson: the accountant adds
+    # (1 + e^epsilon) p to its delta.
+    dataset.overflow_probability = overflow_probability(num_users, sampling_rate, max_users,
+                                                        num_steps)
     return dataset
 
 
