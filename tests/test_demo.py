@@ -16,7 +16,7 @@ def test_parse_args_tiny_keeps_explicit_flags():
     assert defaults.target_epsilon == 8.0 and defaults.sampling == "poisson"
     with pytest.raises(SystemExit):
         demo.parse_args(["--vocab-epsilon", "9", "--target-epsilon", "8"])
-    assert defaults.min_steps == 50
+    assert defaults.min_steps == 100 and defaults.epochs == 3.0
     with pytest.raises(SystemExit):
         demo.parse_args(["--min-steps", "0"])
 
