@@ -323,23 +323,10 @@ def guard(model):
 
 def guard_registered_models():
     """:func:`guard` every registered model (compiled, or with a ledger): the
-    process has just DP-trained (or loaded) its first weights, and a model
-    compiled before may take them later without a compile."""
+    process holds DP-trained weights, and a model compiled before may take
+    them later without a compile."""
     for model in registered_models():
         guard(model)
-
-
-def guard_models_holding(variables):
-    """:func:`guard` every compiled model (and model with a ledger) that holds
-    one of ``variables``: they now hold DP-trained weights."""
-    ids = {id(v) for v in variables}
-    for model in registered_models():
-        try:
-            weights = model.weights
-        except Exception:  # pylint: disable=broad-except  # a model whose build failed
-            continue
-        if any(id(w) in ids for w in weights):
-            guard(model)
 
 
 def install():

@@ -78,19 +78,14 @@ def mark_dp_trained(variables, ledger):
             setattr(variable, _DP_TRAINED, ledgers)
         if all(ledger is not held for held in ledgers):
             ledgers.append(ledger)
-    first = not _ANY_MARKED[0]
     _ANY_MARKED[0] = True
-    # Every registered model holding them now refuses non-DP training. At the
-    # first mark of the process, every registered model gets the guards: one
-    # compiled now may take DP-trained weights later (``Sequential.add``, a layer
-    # assigned as an attribute) without a compile; models compiled from now on
-    # are guarded at compile.
+    # Every registered model gets the guards (idempotent), holding these
+    # variables or not: one compiled earlier may take them later without a
+    # compile (``Sequential.add``, a layer assigned as an attribute). Models
+    # compiled from now on are guarded at compile.
     from keras_dp_lm.training import binding  # pylint: disable=import-outside-toplevel
     with tf.init_scope():
-        if first:
-            binding.guard_registered_models()
-        else:
-            binding.guard_models_holding(variables)
+        binding.guard_registered_models()
 
 
 def is_dp_trained(variable):
