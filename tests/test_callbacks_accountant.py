@@ -356,6 +356,11 @@ def test_the_statement_counts_the_chance_of_a_batch_above_its_cap():
         model.fit(batches, callbacks=[accountant], verbose=0)
         report = accountant.report()
         assert report["overflow_probability"] == p
+        if not vacuous:  # a second pass draws again: p over the 2 x 10 updates applied
+            model.fit(batches, callbacks=[accountant], verbose=0)
+            report = accountant.report()
+            p = overflow_probability(n, q, cap, 2 * steps)
+            assert report["overflow_probability"] == p > batches.overflow_probability
         assert report["delta_with_overflow"] == pytest.approx(
             min(1.0, 1e-3 + (1 + math.exp(report["epsilon"])) * p))
         assert ("no guarantee" in accountant.statement()) is vacuous

@@ -4,6 +4,7 @@ import copy
 import math
 
 from keras_dp_lm.accounting.epsilon import ledger_epsilon
+from keras_dp_lm.accounting.overflow import overflow_probability
 from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.events import row_sampling_rate
 from keras_dp_lm.accounting.report import privacy_report
@@ -92,10 +93,13 @@ def accountant_report(accountant):
         "stopped_at": accountant.stopped_at,
         "privacy_unit": unit,
     })
-    overflow = accountant._overflow_probability
+    cap = accountant._overflow_cap
+    overflow = (overflow_probability(accountant.dataset_size, accountant._batches_rate, cap,
+                                     report["dp_updates"]) if cap is not None else 0.0)
     if overflow > 0:
         # The draws differ from Poisson sampling only when a batch overflows its
-        # cap (probability `overflow` over the run), for both neighbours.
+        # cap, for both neighbours; every update of the ledger counts as a draw
+        # from these batches (an over-count when earlier fits used others).
         eps = report["epsilon"]
         report["overflow_probability"] = overflow
         report["delta_with_overflow"] = (

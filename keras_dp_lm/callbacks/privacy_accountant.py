@@ -137,8 +137,9 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         super().__init__()
         self._batches_rate = None
         # A Poisson draw above the batches' padded cap (module docstring of
-        # keras_dp_lm.data.poisson): the guarantee's delta grows by (1 + e^eps) p.
-        self._overflow_probability = float(getattr(batches, "overflow_probability", 0.0))
+        # keras_dp_lm.data.poisson): the guarantee's delta grows by (1 + e^eps) p,
+        # p over the updates applied (the report reads them from the ledger).
+        self._overflow_cap = getattr(batches, "overflow_cap", None)
         if batches is not None:
             rate = getattr(batches, "sampling_rate", None)
             size = getattr(batches, "dataset_size", None)

@@ -415,7 +415,9 @@ def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     # Handed to PrivacyAccountant(batches=dataset): the rate is stated once.
     dataset.sampling_rate, dataset.dataset_size = sampling_rate, n
-    # p of the module docstring: the accountant adds (1 + e^epsilon) p to its delta.
+    # p of the module docstring over num_steps draws; the accountant adds
+    # (1 + e^epsilon) p to its delta, p over the updates actually applied.
+    dataset.overflow_cap = max_batch_size
     dataset.overflow_probability = overflow_probability(n, sampling_rate, max_batch_size,
                                                         num_steps)
     return dataset

@@ -162,8 +162,9 @@ def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     dataset.sampling_rate, dataset.dataset_size = sampling_rate, num_users
     dataset.examples_per_user, dataset.num_records = k, n
-    # p of the module docstring of keras_dp_lm.data.poisson: the accountant adds
-    # (1 + e^epsilon) p to its delta.
+    # p of the module docstring of keras_dp_lm.data.poisson over num_steps draws;
+    # the accountant adds (1 + e^epsilon) p to its delta, p over the updates applied.
+    dataset.overflow_cap = max_users
     dataset.overflow_probability = overflow_probability(num_users, sampling_rate, max_users,
                                                         num_steps)
     return dataset
