@@ -90,6 +90,11 @@ EPSILONS = (3.0, 8.0)
 DELTA = 1e-6
 DP_EPOCHS = 50.0
 EXAMPLES_PER_USER = 4
+# --dp-optimizer: the recipe's optimizer for the recipe and head-rule rows
+DP_OPTIMIZER = "adam"
+DP_OPTIMIZER_KWARGS = {}  # --dp-ema-momentum
+ALL_DP_ROWS = ("recipe", "head", "search", "proxy")
+DP_ROWS = ALL_DP_ROWS  # --rows
 
 
 def _probe(dim, classes):
@@ -126,18 +131,24 @@ def _recipe(n, classes, dim, epsilon, learning_rate=1e-3):
                           reference_batch_size=64, num_parameters=(dim + 1) * classes)
 
 
-def _train_private(splits, classes, recipe, learning_rate):
+def _train_private(splits, classes, recipe, learning_rate=None):
+    """One DP run; ``learning_rate=None``: the rate ``recipe.optimizer`` gives
+    ``DP_OPTIMIZER`` (for ``"adambc"``, the recipe's without its noise factor)."""
     import keras
 
     (x, y, *users), (xt, yt) = splits["train"], splits["test"][:2]
     model = _probe(x.shape[1], classes)
     batches = (recipe.poisson_user_batches((x, y), users[0], EXAMPLES_PER_USER) if users
                else recipe.poisson_batches((x, y)))
-    model.compile(optimizer=recipe.optimizer(learning_rate=learning_rate),
+    rate = {} if learning_rate is None else {"learning_rate": learning_rate}
+    optimizer = recipe.optimizer(DP_OPTIMIZER, **rate, **DP_OPTIMIZER_KWARGS)
+    model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     accountant = recipe.accountant(batches=batches, verbose=0)
     model.fit(batches, epochs=1, callbacks=[accountant], verbose=0, shuffle=False)
-    return {"test": _accuracy(model, xt, yt), "learning_rate": learning_rate,
+    return {"test": _accuracy(model, xt, yt),
+            "learning_rate": float(optimizer.learning_rate.numpy()),
+            "optimizer": DP_OPTIMIZER, **DP_OPTIMIZER_KWARGS,
             "epsilon": accountant.epsilon}
 
 
@@ -150,7 +161,7 @@ def _privacy_units(splits):
 def dp_recipe(splits, classes, epsilon, learning_rate):
     x = splits["train"][0]
     recipe = _recipe(_privacy_units(splits), classes, x.shape[1], epsilon, learning_rate)
-    return _train_private(splits, classes, recipe, recipe.learning_rate)
+    return _train_private(splits, classes, recipe)
 
 
 def dp_head_rule(splits, classes, epsilon):
@@ -159,7 +170,7 @@ def dp_head_rule(splits, classes, epsilon):
     x = splits["train"][0]
     recipe = suggest_recipe(_privacy_units(splits), epsilon, DELTA, epochs=DP_EPOCHS,
                             num_parameters=(x.shape[1] + 1) * classes, trainable="head")
-    return _train_private(splits, classes, recipe, recipe.learning_rate)
+    return _train_private(splits, classes, recipe)
 
 
 def dp_public_proxy(splits, classes, epsilon, proxy, data_dir):
@@ -205,13 +216,16 @@ def run_task(name, data_dir, repeats):
     t = time.time()
     row["non_private"] = non_private_best(splits, classes)
     for eps in EPSILONS:
-        recipe = [dp_recipe(splits, classes, eps, row["non_private"]["learning_rate"])
-                  for _ in range(repeats)]
-        head = [dp_head_rule(splits, classes, eps) for _ in range(repeats)]
+        skipped = [{"test": None, "why": "not run (--rows)"}]
+        recipe = skipped if "recipe" not in DP_ROWS else [
+            dp_recipe(splits, classes, eps, row["non_private"]["learning_rate"])
+            for _ in range(repeats)]
+        head = skipped if "head" not in DP_ROWS else [
+            dp_head_rule(splits, classes, eps) for _ in range(repeats)]
         not_run = [{"test": None, "why": "user-level task"}]
-        search = not_run if user_level else [dp_search(splits, classes, eps)
-                                             for _ in range(repeats)]
-        proxy = not_run if user_level else [
+        search = not_run if user_level else skipped if "search" not in DP_ROWS else [
+            dp_search(splits, classes, eps) for _ in range(repeats)]
+        proxy = not_run if user_level else skipped if "proxy" not in DP_ROWS else [
             dp_public_proxy(splits, classes, eps, PROXY[name], data_dir)
             for _ in range(repeats)]
         row[f"eps{eps:g}"] = {"recipe": recipe, "head": head, "search": search,
@@ -348,7 +362,18 @@ def main(argv=None):
                              "instead of running")
     parser.add_argument("--no-write", action="store_true",
                         help="do not write benchmarks/RESULTS.md")
+    parser.add_argument("--dp-optimizer", default="adam", choices=["adam", "adambc"],
+                        help="the recipe's optimizer in the recipe and head-rule rows")
+    parser.add_argument("--rows", nargs="*", default=list(ALL_DP_ROWS), choices=ALL_DP_ROWS,
+                        help="which DP rows to run (the others are marked not run)")
+    parser.add_argument("--dp-ema-momentum", type=float, default=None,
+                        help="end the recipe and head-rule rows' DP runs with an "
+                             "exponential moving average of their iterates")
     args = parser.parse_args(argv)
+    if args.dp_ema_momentum is not None:
+        DP_OPTIMIZER_KWARGS.update(use_ema=True, ema_momentum=args.dp_ema_momentum)
+    global DP_OPTIMIZER, DP_ROWS
+    DP_OPTIMIZER, DP_ROWS = args.dp_optimizer, tuple(args.rows)
     if args.from_json:
         rows = [row for path in args.from_json for row in json.load(open(path))]
         probe = [r for r in rows if "non_private" in r]

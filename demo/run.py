@@ -173,6 +173,15 @@ def build_parser():
     p.add_argument("--dp-freeze-embeddings", action="store_true",
                    help="DP fine-tuning leaves the token embeddings (input and output) at "
                         "their pre-trained values")
+    p.add_argument("--dp-optimizer", default="adam", choices=["adam", "adambc"],
+                   help="DP-Adam, or DP-AdamBC (noise taken out of Adam's second moment; "
+                        "rate: the recipe's without its noise factor)")
+    p.add_argument("--dp-floor-ratio", type=float, default=None,
+                   help="with --dp-optimizer adambc: NoiseCorrectedAdam's floor_ratio")
+    p.add_argument("--dp-ema-momentum", type=float, default=None,
+                   help="keep an exponential moving average of the DP iterates (Keras's "
+                        "use_ema on the inner optimizer; post-processing, free in privacy) "
+                        "and end with it")
     p.add_argument("--adam-epsilon-noise-scale", type=float, default=0.0,
                    help="DP-Adam's epsilon as a multiple of the DP noise's standard "
                         "deviation per coordinate of the averaged gradient, "
@@ -602,7 +611,12 @@ def run(args):
                                  / recipe.batch_size)
         _log(f"DP-Adam epsilon {opt_kwargs['epsilon']:.3g} = "
              f"{args.adam_epsilon_noise_scale:g} x sigma C / B")
-    private_lm.compile(optimizer=recipe.optimizer(seed=args.noise_seed, **opt_kwargs),
+    if args.dp_ema_momentum is not None:
+        opt_kwargs.update(use_ema=True, ema_momentum=args.dp_ema_momentum)
+    if args.dp_floor_ratio is not None:
+        opt_kwargs["floor_ratio"] = args.dp_floor_ratio
+    private_lm.compile(optimizer=recipe.optimizer(args.dp_optimizer, seed=args.noise_seed,
+                                                  **opt_kwargs),
                        weighted_metrics=[])
     privacy_accountant = recipe.accountant(**accountant_kwargs)
     private_lm.fit(dataset, steps_per_epoch=steps, epochs=1,

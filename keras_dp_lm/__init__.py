@@ -46,6 +46,7 @@ _EXPORTS = {
     "lambda_for_epsilon": "keras_dp_lm.samplers",
     "per_example_losses": "keras_dp_lm.training.losses",
     "DPAdam": "keras_dp_lm.optimizers",
+    "DPAdamBC": "keras_dp_lm.optimizers",
     "DPAdamW": "keras_dp_lm.optimizers",
     "DPOptimizer": "keras_dp_lm.optimizers",
     "DPOptimizerMixin": "keras_dp_lm.optimizers",

@@ -216,3 +216,18 @@ def test_recipe_builds_the_optimizer_batches_and_accountant():
     assert accountant.target_epsilon >= recipe.training_epsilon
     assert accountant.delta == recipe.training_delta
     assert recipe.to_dict()["steps"] == recipe.steps
+
+
+def test_adambc_takes_the_recipe_rate_without_the_noise_factor():
+    import keras_dp_lm as kdp
+
+    recipe = suggest_recipe(3_000, 3.0, epochs=3.0, learning_rate=5e-5,
+                            reference_batch_size=32, num_parameters=2_000_000)
+    assert recipe.noise_learning_rate_factor > 1
+    bc = recipe.optimizer("adambc", seed=0)
+    assert isinstance(bc, kdp.DPAdamBC)
+    assert float(bc.learning_rate.numpy()) == pytest.approx(
+        recipe.learning_rate / recipe.noise_learning_rate_factor, rel=1e-6)
+    assert bc.noise_multiplier == recipe.noise_multiplier
+    assert float(recipe.optimizer("adambc", learning_rate=1e-3).learning_rate.numpy()) == (
+        pytest.approx(1e-3))

@@ -14,15 +14,17 @@ Example:
 import warnings
 
 from keras_dp_lm.optimizers.conveniences import DPAdam
+from keras_dp_lm.optimizers.conveniences import DPAdamBC
 from keras_dp_lm.optimizers.conveniences import DPAdamW
 from keras_dp_lm.optimizers.conveniences import DPSGD
 from keras_dp_lm.optimizers.dp_optimizer import CLIPPING_METHODS
 from keras_dp_lm.optimizers.dp_optimizer import DPOptimizer
 from keras_dp_lm.optimizers.dp_optimizer import is_dp_optimizer
 from keras_dp_lm.optimizers.dp_optimizer import make_dp_optimizer
+from keras_dp_lm.optimizers.noise_corrected_adam import NoiseCorrectedAdam
 
-__all__ = ["CLIPPING_METHODS", "DPAdam", "DPAdamW", "DPOptimizer", "DPSGD",
-           "is_dp_optimizer", "make_dp_optimizer"]
+__all__ = ["CLIPPING_METHODS", "DPAdam", "DPAdamBC", "DPAdamW", "DPOptimizer", "DPSGD",
+           "NoiseCorrectedAdam", "is_dp_optimizer", "make_dp_optimizer"]
 
 
 def __getattr__(name):

@@ -1,4 +1,5 @@
-"""``DPSGD``, ``DPAdam``, ``DPAdamW``: a :class:`DPOptimizer` around SGD / Adam / AdamW.
+"""``DPSGD``, ``DPAdam``, ``DPAdamW``, ``DPAdamBC``: a :class:`DPOptimizer` around SGD /
+Adam / AdamW / :class:`NoiseCorrectedAdam`.
 
 They take the inner optimizer's arguments (``learning_rate``, ``momentum``,
 ``beta_1``, ``weight_decay``, ...) and the privacy arguments by keyword, the
@@ -8,12 +9,13 @@ argument names TensorFlow Privacy's ``DPKeras*Optimizer`` used.
 import keras
 
 from keras_dp_lm.optimizers.dp_optimizer import DPOptimizer
+from keras_dp_lm.optimizers.noise_corrected_adam import NoiseCorrectedAdam
 
 _PRIVACY_ARGS = ("gradient_accumulation_steps", "expected_batch_size", "seed", "clipping",
                  "name")
 
 
-def _convenience(inner_class, doc_example):
+def _convenience(inner_class, doc_example, name=None, inner_path=None):
     class Convenience(DPOptimizer):
         def __init__(self, *args, l2_norm_clip, noise_multiplier, inner_optimizer=None,
                      **kwargs):
@@ -25,11 +27,12 @@ def _convenience(inner_class, doc_example):
             super().__init__(inner_optimizer, l2_norm_clip=l2_norm_clip,
                              noise_multiplier=noise_multiplier, **privacy)
 
-    name = "DP" + inner_class.__name__
+    name = name or "DP" + inner_class.__name__
+    inner_path = inner_path or f"keras.optimizers.{inner_class.__name__}"
     Convenience.__name__ = Convenience.__qualname__ = name
     Convenience.__module__ = "keras_dp_lm.optimizers"
     Convenience.__doc__ = (
-        f"Differentially private ``keras.optimizers.{inner_class.__name__}``.\n\n"
+        f"Differentially private ``{inner_path}``.\n\n"
         f"``{name}(*args, l2_norm_clip, noise_multiplier, **kwargs)``: positional and "
         f"other keyword arguments go to ``{inner_class.__name__}``; see "
         ":class:`DPOptimizer` for the privacy arguments.\n\n"
@@ -57,3 +60,10 @@ DPAdamW = _convenience(keras.optimizers.AdamW, """\
     >>> float(opt.inner_optimizer.weight_decay)
     0.01
 """)
+DPAdamBC = _convenience(NoiseCorrectedAdam, """\
+    >>> import keras_dp_lm as kdp
+    >>> opt = kdp.DPAdamBC(learning_rate=1e-4, floor_ratio=0.1, l2_norm_clip=0.1,
+    ...                    noise_multiplier=0.8)
+    >>> type(opt.inner_optimizer).__name__, opt.inner_optimizer.floor_ratio
+    ('NoiseCorrectedAdam', 0.1)
+""", name="DPAdamBC", inner_path="keras_dp_lm.optimizers.NoiseCorrectedAdam")

@@ -17,6 +17,11 @@ Semantics of one update, on ``R`` replicas with logical batch ``B``::
 Each replica adds independent noise of std ``noise_multiplier * l2_norm_clip /
 sqrt(R)``; Keras sums gradients across replicas, so the total noise has exactly
 the std above whatever ``R`` is.
+
+An inner optimizer with a ``set_dp_noise_variance(phi)`` method is told the
+per-coordinate variance ``phi = (noise_multiplier * l2_norm_clip / B)^2`` of the
+noise in the gradients it is about to apply (:class:`NoiseCorrectedAdam` uses
+it to take the noise out of Adam's second moment).
 """
 
 import contextlib
@@ -325,6 +330,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             if num_replicas > 1:
                 divisor = ctx.all_reduce(tf.distribute.ReduceOp.SUM, divisor)
         grads = [g / tf.cast(divisor, g.dtype) for g in grads]
+        set_noise_variance = getattr(self.inner_optimizer, "set_dp_noise_variance", None)
+        if set_noise_variance is not None:  # e.g. NoiseCorrectedAdam (DP-AdamBC)
+            total_std = self.noise_multiplier * self.l2_norm_clip
+            set_noise_variance(tf.square(total_std / divisor))
         if public_gradients is not None:
             # Keras sums across replicas: each contributes 1/R of the term.
             grads = [g if p is None else g + tf.cast(p, g.dtype) / num_replicas

@@ -173,19 +173,26 @@ class DPRecipe:
         return out
 
     def optimizer(self, name="adam", seed=None, **kwargs):
-        """A DP optimizer built from the recipe (``"adam"`` or ``"adamw"``).
+        """A DP optimizer built from the recipe (``"adam"``, ``"adamw"`` or ``"adambc"``).
 
         ``kwargs`` go to the optimizer (e.g. ``weight_decay`` for AdamW); the
-        privacy parameters come from the recipe.
+        privacy parameters come from the recipe. ``"adambc"``
+        (:class:`~keras_dp_lm.optimizers.DPAdamBC`) takes the DP noise out of
+        Adam's second moment, so its default rate is the recipe's without the
+        noise factor (``learning_rate / noise_learning_rate_factor``).
         """
         from keras_dp_lm import optimizers
 
-        classes = {"adam": optimizers.DPAdam, "adamw": optimizers.DPAdamW}
+        classes = {"adam": optimizers.DPAdam, "adamw": optimizers.DPAdamW,
+                   "adambc": optimizers.DPAdamBC}
         if name not in classes:
             raise ValueError(f"The recipe is made for Adam-type optimizers; `name` must be "
                              f"one of {sorted(classes)}, got {name!r}.")
+        rate = self.learning_rate
+        if name == "adambc":
+            rate = self.learning_rate / self.noise_learning_rate_factor
         return classes[name](
-            learning_rate=kwargs.pop("learning_rate", self.learning_rate),
+            learning_rate=kwargs.pop("learning_rate", rate),
             l2_norm_clip=self.l2_norm_clip, noise_multiplier=self.noise_multiplier,
             expected_batch_size=self.sampling_rate * self.dataset_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps, seed=seed,
