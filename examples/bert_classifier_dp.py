@@ -274,6 +274,9 @@ def main(argv=None):
                    help="DP compute budget in expected epochs (the recipe's `epochs`)")
     p.add_argument("--dp-min-steps", type=int, default=100,
                    help="the recipe's `min_steps`")
+    p.add_argument("--dp-optimizer", choices=("adam", "adambc"), default="adam",
+                   help="the recipe's DP-Adam, or DP-AdamBC (noise taken out of Adam's "
+                        "second moment; the recipe's rate without its noise factor)")
     p.add_argument("--dp-lora-rank", type=int, default=0,
                    help="DP run only: LoRA of this rank on the top layers' query / value "
                         "instead of fine-tuning them fully (0: full)")
@@ -412,7 +415,8 @@ def main(argv=None):
             micro_batch_size=args.micro_batch_size, extra_events=probe_events)
         print(recipe.explain(), flush=True)
         batches = recipe.poisson_batches((x_train, y_train))
-        head.compile(optimizer=recipe.optimizer(), loss=loss(), weighted_metrics=[])
+        head.compile(optimizer=recipe.optimizer(args.dp_optimizer), loss=loss(),
+                     weighted_metrics=[])
         # The head's ledger already holds the probe's updates (the probe trains its
         # output layer), so the accountant reads them there, not as extra events,
         # and stops at the total epsilon the recipe composed them to.
@@ -432,7 +436,9 @@ def main(argv=None):
         lora = f"LoRA rank {args.dp_lora_rank}, " if args.dp_lora_rank else ""
         lp = (f"after a DP linear probe at epsilon {args.dp_probe_epsilon:g}, "
               if probe_events else "")
-        rows.append({"run": f"DP ({lp}{lora}recipe: Adam {recipe.learning_rate:.3g}, clip "
+        kind = "AdamBC" if args.dp_optimizer == "adambc" else "Adam"
+        rate = float(head.optimizer.learning_rate.numpy())
+        rows.append({"run": f"DP ({lp}{lora}recipe: {kind} {rate:.3g}, clip "
                             f"{recipe.l2_norm_clip:g}, sigma {recipe.noise_multiplier:.3f})",
                      "accuracy": acc, "epsilon": f"{epsilon:.2f}",
                      "steps": report["dp_updates"],
