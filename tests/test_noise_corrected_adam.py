@@ -106,6 +106,9 @@ def test_noise_variance_is_zero_without_noise():
     ({"beta_1": 1.0}, "beta_1"),
     ({"beta_2": -0.1}, "beta_2"),
     ({"epsilon": -1.0}, "epsilon"),
+    ({"epsilon": float("inf")}, "epsilon"),
+    ({"floor_ratio": float("inf")}, "floor_ratio"),
+    ({"beta_1": None}, "beta_1"),
 ])
 def test_invalid_arguments_name_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -128,3 +131,23 @@ def test_saves_and_resumes(tmp_path):
     assert kdp.ledger_of(loaded).updates == 2
     loaded.fit(x, y, batch_size=8, verbose=0)
     assert kdp.ledger_of(loaded).updates == 4
+
+
+def test_negative_noise_variance_is_refused():
+    with pytest.raises(ValueError, match="variance"):
+        NoiseCorrectedAdam().set_dp_noise_variance(-1.0)
+
+
+def test_16_bit_variables_are_refused():
+    w = keras.Variable(np.zeros(3, "float32"), dtype="bfloat16")
+    with pytest.raises(ValueError, match="16-bit"):
+        NoiseCorrectedAdam().build([w])
+
+
+def test_the_correction_cannot_be_lost_by_wrapping():
+    with pytest.raises(TypeError, match="NoiseCorrectedAdam"):
+        kdp.DPAdamBC(inner_optimizer=keras.optimizers.Adam(), l2_norm_clip=1.0,
+                     noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="LossScaleOptimizer"):
+        kdp.DPOptimizer(keras.optimizers.LossScaleOptimizer(NoiseCorrectedAdam()),
+                        l2_norm_clip=1.0, noise_multiplier=1.0)

@@ -24,6 +24,11 @@ def _convenience(inner_class, doc_example, name=None, inner_path=None):
                 inner_optimizer = inner_class(*args, **kwargs)
             elif args or kwargs:
                 raise ValueError("Pass either inner_optimizer or its arguments, not both.")
+            elif not isinstance(inner_optimizer, inner_class):
+                raise TypeError(
+                    f"{type(self).__name__} wraps a {inner_class.__name__}, got "
+                    f"{type(inner_optimizer).__name__}: use DPOptimizer(inner_optimizer, "
+                    "...) for another optimizer.")
             super().__init__(inner_optimizer, l2_norm_clip=l2_norm_clip,
                              noise_multiplier=noise_multiplier, **privacy)
 

@@ -79,6 +79,12 @@ def _check_inner(optimizer):
                 "summed gradient does not bound any one example's influence. "
                 "DP optimizers clip each example's gradient to `l2_norm_clip`; "
                 f"remove `{name}`.")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "A LossScaleOptimizer cannot be wrapped by a DP optimizer: the DP step does "
+            "not scale the loss, so the updates would be divided by the loss scale, and "
+            "loss scaling would change the clipping bound. Wrap its inner optimizer and "
+            "train in float32 or mixed_bfloat16.")
     if getattr(optimizer, "loss_scale_factor", None) is not None:
         raise ValueError(
             "`loss_scale_factor` is not supported by DP optimizers: loss scaling "

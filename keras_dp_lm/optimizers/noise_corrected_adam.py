@@ -15,7 +15,9 @@ instead of ``sqrt(v_hat) + epsilon``. ``phi`` is set by the DP optimizer that
 wraps it, before every update (:meth:`set_dp_noise_variance`), from the noise it
 actually added; it depends only on ``sigma``, ``C`` and the divisor, so the
 correction is post-processing and costs no privacy. With ``phi = 0`` (no DP
-wrapper, or ``noise_multiplier=0``) it is Adam.
+wrapper, or ``noise_multiplier=0``) it is Adam, except that ``epsilon`` is added
+to ``sqrt(v_hat)`` (as in Tang et al.) where Keras's Adam adds it to ``sqrt(v)``: the
+two differ only for gradients within a few orders of magnitude of ``epsilon``.
 
 The floor bounds the step of a coordinate that holds only noise: its ``m``
 has std ``sqrt(phi (1 - beta_1) / (1 + beta_1))`` (0.23 ``sqrt(phi)`` at
@@ -23,8 +25,20 @@ has std ``sqrt(phi (1 - beta_1) / (1 + beta_1))`` (0.23 ``sqrt(phi)`` at
 rate.
 """
 
+import math
+
 import keras
 from keras import ops
+
+
+def _number(name, value, ok, what):
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a number {what}, got {value!r}.") from None
+    if not ok(number):
+        raise ValueError(f"`{name}` must be {what}, got {value!r}.")
+    return number
 
 
 @keras.saving.register_keras_serializable(package="keras_dp_lm")
@@ -58,20 +72,14 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
     def __init__(self, learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  floor_ratio=0.1, name="noise_corrected_adam", **kwargs):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        for arg, value, low, high in (("beta_1", beta_1, 0.0, 1.0),
-                                      ("beta_2", beta_2, 0.0, 1.0)):
-            if not low <= float(value) < high:
-                raise ValueError(f"`{arg}` must be in [0, 1), got {value!r}.")
-        if not float(epsilon) >= 0:
-            raise ValueError(f"`epsilon` must be >= 0, got {epsilon!r}.")
-        if not float(floor_ratio) > 0:
-            raise ValueError(
-                f"`floor_ratio` must be > 0 (a coordinate holding only noise would "
-                f"take an unbounded step), got {floor_ratio!r}.")
-        self.beta_1 = float(beta_1)
-        self.beta_2 = float(beta_2)
-        self.epsilon = float(epsilon)
-        self.floor_ratio = float(floor_ratio)
+        self.beta_1 = _number("beta_1", beta_1, lambda x: 0 <= x < 1, "in [0, 1)")
+        self.beta_2 = _number("beta_2", beta_2, lambda x: 0 <= x < 1, "in [0, 1)")
+        self.epsilon = _number("epsilon", epsilon, lambda x: 0 <= x < math.inf,
+                               "finite and >= 0")
+        self.floor_ratio = _number(
+            "floor_ratio", floor_ratio, lambda x: 0 < x < math.inf,
+            "finite and > 0 (a coordinate holding only noise would otherwise take an "
+            "unbounded step)")
         with keras.name_scope(self.name, caller=self):
             self.dp_noise_variance = keras.Variable(
                 0.0, name="dp_noise_variance", dtype="float32", trainable=False,
@@ -81,11 +89,19 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
     def set_dp_noise_variance(self, variance):
         """Set ``phi``, the per-coordinate variance of the noise in the gradients
         of the next update (called by the DP optimizer that wraps this one)."""
+        if isinstance(variance, (int, float)):
+            _number("variance", variance, lambda x: 0 <= x < math.inf, "finite and >= 0")
         self.dp_noise_variance.assign(ops.cast(variance, "float32"))
 
     def build(self, var_list):
         if self.built:
             return
+        low = [v.path for v in var_list if v.dtype in ("float16", "bfloat16")]
+        if low:
+            raise ValueError(
+                f"NoiseCorrectedAdam does not train 16-bit variables ({low[0]}): the noise "
+                "variance and the second moment underflow or round away in 16 bits. Use "
+                "the 'mixed_bfloat16' policy (float32 variables, bfloat16 compute).")
         super().build(var_list)
         self._first_moments = [self.add_variable_from_reference(v, "momentum")
                                for v in var_list]
