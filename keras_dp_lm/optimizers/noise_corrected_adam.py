@@ -25,20 +25,17 @@ has std ``sqrt(phi (1 - beta_1) / (1 + beta_1))`` (0.23 ``sqrt(phi)`` at
 rate.
 """
 
-import math
-
 import keras
 from keras import ops
 
+from keras_dp_lm.optimizers.dp_optimizer import _check_positive
 
-def _number(name, value, ok, what):
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a number {what}, got {value!r}.") from None
-    if not ok(number):
-        raise ValueError(f"`{name}` must be {what}, got {value!r}.")
-    return number
+
+def _beta(name, value):
+    beta = _check_positive(name, value, allow_zero=True)
+    if beta >= 1:
+        raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
+    return beta
 
 
 @keras.saving.register_keras_serializable(package="keras_dp_lm")
@@ -72,14 +69,11 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
     def __init__(self, learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
                  floor_ratio=0.1, name="noise_corrected_adam", **kwargs):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        self.beta_1 = _number("beta_1", beta_1, lambda x: 0 <= x < 1, "in [0, 1)")
-        self.beta_2 = _number("beta_2", beta_2, lambda x: 0 <= x < 1, "in [0, 1)")
-        self.epsilon = _number("epsilon", epsilon, lambda x: 0 <= x < math.inf,
-                               "finite and >= 0")
-        self.floor_ratio = _number(
-            "floor_ratio", floor_ratio, lambda x: 0 < x < math.inf,
-            "finite and > 0 (a coordinate holding only noise would otherwise take an "
-            "unbounded step)")
+        self.beta_1 = _beta("beta_1", beta_1)
+        self.beta_2 = _beta("beta_2", beta_2)
+        self.epsilon = _check_positive("epsilon", epsilon, allow_zero=True)
+        # > 0: a coordinate holding only noise would otherwise take an unbounded step
+        self.floor_ratio = _check_positive("floor_ratio", floor_ratio)
         with keras.name_scope(self.name, caller=self):
             self.dp_noise_variance = keras.Variable(
                 0.0, name="dp_noise_variance", dtype="float32", trainable=False,
@@ -90,7 +84,7 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
         """Set ``phi``, the per-coordinate variance of the noise in the gradients
         of the next update (called by the DP optimizer that wraps this one)."""
         if isinstance(variance, (int, float)):
-            _number("variance", variance, lambda x: 0 <= x < math.inf, "finite and >= 0")
+            _check_positive("variance", variance, allow_zero=True)
         self.dp_noise_variance.assign(ops.cast(variance, "float32"))
 
     def build(self, var_list):
