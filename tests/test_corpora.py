@@ -45,3 +45,30 @@ def test_split_by_movie_rejects_bad_fractions():
 def test_missing_corpus_names_the_fetch_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="make data"):
         corpora.load_rotten_tomatoes(tmp_path)
+
+
+def test_kjv_reader_output_joins_wrapped_verses_and_drops_numbers():
+    out = ("\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n"
+           "  2 And the earth was without form, and void; and darkness was upon\n"
+           "the face of the deep.\n\nGenesis 2\n\n  1 Thus the heavens were finished.\n"
+           "\n1 Samuel 1\n\n  1 Now there was a certain man.\n")
+    books = corpora.kjv_books_from_reader_output(out)
+    assert list(books) == ["Genesis", "1 Samuel"]   # chapters of a book join it
+    assert books["Genesis"] == [
+        "In the beginning God created the heaven and the earth.",
+        "And the earth was without form, and void; and darkness was upon the face of "
+        "the deep.",
+        "Thus the heavens were finished."]
+    assert books["1 Samuel"] == ["Now there was a certain man."]
+
+
+@pytest.mark.parametrize("bad", ["  1 A verse before any header.\n",
+                                 "a stray line\nGenesis 1\n  1 In the beginning.\n"])
+def test_kjv_reader_output_refuses_text_it_cannot_place(bad):
+    with pytest.raises(ValueError, match="verse before any book header|unexpected line"):
+        corpora.kjv_books_from_reader_output(bad)
+
+
+def test_missing_kjv_names_the_fetch_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="fetch_corpora.py fetch"):
+        corpora.load_kjv(tmp_path)
