@@ -30,9 +30,11 @@ model trained is a linear head on them, i.e. a probe), at epsilon 3 and 8 (delta
 How the procedure was fixed: the epochs (20 -> 50) and the candidates
 (0.01-0.3 -> 0.01-0.1; 0.3 was the worst candidate wherever it was drawn) were
 chosen on the four tuning tasks of :mod:`utility_tasks`; the held-out tasks were
-added afterwards, in three rounds, and run once with the procedure as it stands
+added afterwards, in four rounds, and run once with the procedure as it stands
 (the third round after the second round's misses had been looked into, with no
-change to the procedure).
+change to the procedure; the fourth, ``utility_tasks.FOURTH_ROUND_TASKS`` on the
+King James Bible and on Milton against Shakespeare, with no change either, its
+tasks and proxies written down in ``benchmarks/fourth_round.md`` before its run).
 
 User-level tasks (``utility_tasks.USER_LEVEL_TASKS``: each record carries the id of
 the person who wrote or said it, the privacy unit): the same non-private probe
@@ -78,7 +80,11 @@ PROXY = {"rotten_tomatoes": "shakespeare_genre_2000",
          "fortunes_5b": "fortunes_6", "fortunes_4c": "fortunes_6",
          "shakespeare_history_2000": "shakespeare_genre_2000",
          "fortunes_4d": "fortunes_6", "fortunes_5e": "fortunes_6",
-         "folio_genre": "rotten_tomatoes"}
+         "folio_genre": "rotten_tomatoes",
+         # fourth round: stand-ins from earlier tasks, none sharing a text with its task
+         "kjv_testament_2000": "shakespeare_genre_2000", "kjv_division": "folio_genre",
+         "kjv_division_1000": "fortunes_6",
+         "milton_vs_shakespeare_2000": "rotten_tomatoes_3000"}
 # The best non-private model of another kind measured on a task (test accuracy, what):
 # fine-tuning beats the probe where it was run.
 OTHER_KINDS = {"rotten_tomatoes": (0.803, "MiniLM top 2 layers fine-tuned, "

