@@ -99,7 +99,7 @@ EXAMPLES_PER_USER = 4
 # --dp-optimizer: the recipe's optimizer for the recipe and head-rule rows
 DP_OPTIMIZER = "adam"
 DP_OPTIMIZER_KWARGS = {}  # --dp-ema-momentum
-ALL_DP_ROWS = ("recipe", "head", "search", "proxy")
+ALL_DP_ROWS = ("recipe", "head", "head_norm", "search", "proxy")
 DP_ROWS = ALL_DP_ROWS  # --rows
 
 
@@ -137,13 +137,16 @@ def _recipe(n, classes, dim, epsilon, learning_rate=1e-3):
                           reference_batch_size=64, num_parameters=(dim + 1) * classes)
 
 
-def _train_private(splits, classes, recipe, learning_rate=None):
+def _train_private(splits, classes, recipe, learning_rate=None, normalization=None):
     """One DP run; ``learning_rate=None``: the rate ``recipe.optimizer`` gives
-    ``DP_OPTIMIZER`` (for ``"adambc"``, the recipe's without its noise factor)."""
+    ``DP_OPTIMIZER`` (for ``"adambc"``, the recipe's without its noise factor).
+    ``normalization``: an adapted ``DPFeatureNormalization`` in front of the head."""
     import keras
 
     (x, y, *users), (xt, yt) = splits["train"], splits["test"][:2]
     model = _probe(x.shape[1], classes)
+    if normalization is not None:
+        model = keras.Sequential([keras.Input((x.shape[1],)), normalization, model])
     batches = (recipe.poisson_user_batches((x, y), users[0], EXAMPLES_PER_USER) if users
                else recipe.poisson_batches((x, y)))
     rate = {} if learning_rate is None else {"learning_rate": learning_rate}
@@ -155,7 +158,8 @@ def _train_private(splits, classes, recipe, learning_rate=None):
     return {"test": _accuracy(model, xt, yt),
             "learning_rate": float(optimizer.learning_rate.numpy()),
             "optimizer": DP_OPTIMIZER, **DP_OPTIMIZER_KWARGS,
-            "epsilon": accountant.epsilon}
+            "epsilon": accountant.epsilon,
+            "total_epsilon": accountant.report()["total_epsilon"]}
 
 
 def _privacy_units(splits):
@@ -177,6 +181,21 @@ def dp_head_rule(splits, classes, epsilon):
     recipe = suggest_recipe(_privacy_units(splits), epsilon, DELTA, epochs=DP_EPOCHS,
                             num_parameters=(x.shape[1] + 1) * classes, trainable="head")
     return _train_private(splits, classes, recipe)
+
+
+def dp_head_normalized(splits, classes, epsilon):
+    """The README's path: ``DPFeatureNormalization`` (a DP mean) in front of the
+    head, its release composed into the head rule's recipe."""
+    from keras_dp_lm.data import DPFeatureNormalization
+    from keras_dp_lm.recipes import suggest_recipe
+
+    x, _, *users = splits["train"]
+    normalization = DPFeatureNormalization()
+    normalization.adapt(x, user_ids=users[0] if users else None)
+    recipe = suggest_recipe(_privacy_units(splits), epsilon, DELTA, epochs=DP_EPOCHS,
+                            num_parameters=(x.shape[1] + 1) * classes, trainable="head",
+                            extra_events=[normalization.dp_event()])
+    return _train_private(splits, classes, recipe, normalization=normalization)
 
 
 def dp_public_proxy(splits, classes, epsilon, proxy, data_dir):
@@ -228,14 +247,16 @@ def run_task(name, data_dir, repeats):
             for _ in range(repeats)]
         head = skipped if "head" not in DP_ROWS else [
             dp_head_rule(splits, classes, eps) for _ in range(repeats)]
+        head_norm = skipped if "head_norm" not in DP_ROWS else [
+            dp_head_normalized(splits, classes, eps) for _ in range(repeats)]
         not_run = [{"test": None, "why": "user-level task"}]
         search = not_run if user_level else skipped if "search" not in DP_ROWS else [
             dp_search(splits, classes, eps) for _ in range(repeats)]
         proxy = not_run if user_level else skipped if "proxy" not in DP_ROWS else [
             dp_public_proxy(splits, classes, eps, PROXY[name], data_dir)
             for _ in range(repeats)]
-        row[f"eps{eps:g}"] = {"recipe": recipe, "head": head, "search": search,
-                              "proxy": proxy}
+        row[f"eps{eps:g}"] = {"recipe": recipe, "head": head, "head_norm": head_norm,
+                              "search": search, "proxy": proxy}
     row["seconds"] = time.time() - t
     print(json.dumps(row), flush=True)
     return row
@@ -294,12 +315,37 @@ def _gap(runs, reference):
     return f"{np.mean([r['test'] for r in runs]) * 100 - reference * 100:+.1f}"
 
 
-def _majority_margin(rows, eps):
-    """The head rule's lowest mean test accuracy above its task's majority class."""
-    margins = {row["task"]: np.mean([r["test"] for r in row[f"eps{eps:g}"]["head"]]) * 100
-               - row["majority_test"] * 100 for row in rows}
+def _mean(runs):
+    tests = [r["test"] for r in runs]
+    return None if any(t is None for t in tests) else float(np.mean(tests))
+
+
+def _majority_margin(rows, eps, rule):
+    """``rule``'s lowest mean test accuracy above its task's majority class."""
+    margins = {row["task"]: _mean(row[f"eps{eps:g}"][rule]) * 100 - row["majority_test"] * 100
+               for row in rows if _mean(row[f"eps{eps:g}"].get(rule, [{"test": None}]))
+               is not None}
     task = min(margins, key=margins.get)
     return f"{margins[task]:+.1f} points ({task})"
+
+
+# the rows that summary lines count, with their names
+RULES = {"head": "the head rule", "head_norm": "the head rule with DPFeatureNormalization"}
+
+
+def _summary(rows, eps, rule):
+    gaps = {row["task"]: _mean(row[f"eps{eps:g}"].get(rule, [{"test": None}])) for row in rows}
+    gaps = {t: g * 100 - row["non_private"]["test"] * 100
+            for row in rows for t, g in gaps.items() if t == row["task"] and g is not None}
+    if not gaps:
+        return None
+    misses = {t: g for t, g in gaps.items() if g < -3.0}
+    return (f"Epsilon {eps:g}: {RULES[rule]} is within 3 points of the best non-private "
+            f"probe on {len(gaps) - len(misses)} of {len(gaps)} tasks (gaps "
+            f"{max(gaps.values()):+.1f} to {min(gaps.values()):+.1f})"
+            + (": misses " + ", ".join(f"{t} {g:+.1f}" for t, g in misses.items())
+               if misses else "") + ". Smallest margin above the majority class: "
+            + _majority_margin(rows, eps, rule) + ".")
 
 
 def markdown(rows, repeats):
@@ -311,47 +357,47 @@ def markdown(rows, repeats):
         "all-MiniLM-L6-v2 mean-pooled features (a probe). Test accuracy; DP cells are the "
         f"mean (min-max) of {repeats} runs with fresh noise; delta 1e-6. *Recipe*: "
         "`suggest_recipe` handed the best non-private rate. *Head rule*: `suggest_recipe("
-        "trainable='head')`. *Search*: "
+        "trainable='head')`. *Head rule + norm* (the README's path): the same behind "
+        "`DPFeatureNormalization` (features centred on a DP mean, rescaled to norm 4; "
+        "its release composed into the recipe). *Search*: "
         "`tuning.private_search` over the probe's rates, the whole search at the row's "
         "epsilon. *Public proxy*: the recipe's noise with the rate `tuning.public_search` "
         "found on another task (n/a: that task is smaller than the private batch). Gaps: "
-        "the head rule's and the search's means minus the best non-private probe, in points. "
+        "the rows' means minus the best non-private probe, in points. "
         "Tasks marked * are held out: added after the procedure was fixed, run once.",
         "",
         "| task | N train (units) | classes | majority | non-private probe (rate) | eps "
-        "| DP recipe | DP head rule | DP public proxy | DP search | gap: head rule "
-        "| gap: search | gap: head rule vs any kind |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| DP recipe | DP head rule | DP head rule + norm | DP public proxy | DP search "
+        "| gap: head rule | gap: head rule + norm | gap: search "
+        "| gap: head rule + norm vs any kind |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    not_run = [{"test": None}]
     for row in rows:
         npv = row["non_private"]
         best_any = max(npv["test"], OTHER_KINDS.get(row["task"], (0.0,))[0])
         units = (f" ({row['privacy_units']} users)" if row.get("user_level") else "")
         for eps in EPSILONS:
             cell = row[f"eps{eps:g}"]
+            norm = cell.get("head_norm", not_run)
             lines.append(
                 f"| {row['task']}{' *' if row.get('held_out') else ''} | "
                 f"{row['train_size']}{units} | {row['classes']} | "
                 f"{row['majority_test'] * 100:.1f}% | {npv['test'] * 100:.1f}% "
                 f"({npv['learning_rate']:g}) | {eps:g} | {_cell(cell['recipe'])} | "
-                f"{_cell(cell['head'])} | {_cell(cell['proxy'])} | {_cell(cell['search'])} | "
-                f"{_gap(cell['head'], npv['test'])} | {_gap(cell['search'], npv['test'])} | "
-                f"{_gap(cell['head'], best_any)} |")
+                f"{_cell(cell['head'])} | {_cell(norm)} | {_cell(cell['proxy'])} | "
+                f"{_cell(cell['search'])} | {_gap(cell['head'], npv['test'])} | "
+                f"{_gap(norm, npv['test'])} | {_gap(cell['search'], npv['test'])} | "
+                f"{_gap(norm, best_any)} |")
     lines.append("")
     lines.append("Best non-private model of any kind: the probe, except " + "; ".join(
         f"{task}: {acc * 100:.1f}% ({what})" for task, (acc, what) in OTHER_KINDS.items())
         + ". Fine-tuning was not run on the other tasks (see below).")
-    for eps in EPSILONS:
-        gaps = {row["task"]: np.mean([r["test"] for r in row[f"eps{eps:g}"]["head"]]) * 100
-                - row["non_private"]["test"] * 100 for row in rows}
-        misses = {t: g for t, g in gaps.items() if g < -3.0}
-        lines.append("")
-        lines.append(f"Epsilon {eps:g}: the head rule is within 3 points of the best "
-                     f"non-private probe on {len(gaps) - len(misses)} of {len(gaps)} tasks "
-                     f"(gaps {max(gaps.values()):+.1f} to {min(gaps.values()):+.1f})"
-                     + (": misses " + ", ".join(f"{t} {g:+.1f}" for t, g in misses.items())
-                        if misses else "") + ". Smallest margin above the majority class: "
-                     + _majority_margin(rows, eps) + ".")
+    for rule in RULES:
+        for eps in EPSILONS:
+            line = _summary(rows, eps, rule)
+            if line:
+                lines += ["", line]
     return "\n".join(lines)
 
 

@@ -54,6 +54,7 @@ _EXPORTS = {
     "is_dp_optimizer": "keras_dp_lm.optimizers",
     "make_dp_optimizer": "keras_dp_lm.optimizers",
     "attach_real_slots": "keras_dp_lm.data",
+    "DPFeatureNormalization": "keras_dp_lm.data",
     "poisson_batches": "keras_dp_lm.data",
     "poisson_user_batches": "keras_dp_lm.data",
     "suggest_max_batch_size": "keras_dp_lm.data",

@@ -13,7 +13,7 @@ import sys
 
 # Modules that register Keras objects or patch Keras: imported as soon as Keras is.
 KERAS_MODULES = ("keras_dp_lm.training", "keras_dp_lm.optimizers",
-                 "keras_dp_lm.samplers", "keras_dp_lm.tokenizers")
+                 "keras_dp_lm.samplers", "keras_dp_lm.tokenizers", "keras_dp_lm.data")
 
 
 def activate():

@@ -1,0 +1,159 @@
+"""DPFeatureNormalization: the released mean's noise and sensitivity, its events and
+their accounting, per-example outputs, saving, and the refusals."""
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+
+from keras_dp_lm.accounting import compose_epsilon
+from keras_dp_lm.accounting import ledger_events
+from keras_dp_lm.data import DPFeatureNormalization
+from keras_dp_lm.recipes import suggest_recipe
+from keras_dp_lm.training.model_ledgers import ledger_of
+
+
+def _released_sum(layer, features, **kwargs):
+    layer.adapt(features, **kwargs)
+    units = len(np.unique(kwargs["user_ids"])) if "user_ids" in kwargs else len(features)
+    return np.asarray(layer.mean.numpy(), "float64") * units
+
+
+def test_noise_std_matches_the_noise_multiplier():
+    d = 20000
+    features = np.zeros((10, d))
+    features[:, 0] = 3.0  # ten copies of 3 e_0: the noiseless sum is 10 e_0
+    noisy = _released_sum(DPFeatureNormalization(noise_multiplier=2.5, seed=3), features)
+    noise = noisy - np.eye(d)[0] * 10
+    # std of d draws: relative standard error 1 / sqrt(2 d) = 0.5%
+    assert np.std(noise) == pytest.approx(2.5, rel=0.02)
+    assert np.mean(noise) == pytest.approx(0.0, abs=3 * 2.5 / np.sqrt(d))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+def test_sensitivity_on_neighbouring_datasets_is_at_most_one(scale):
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(50, 16)) * scale
+    features[7] *= 1e6  # an outlier moves the sum by no more than anyone else
+    for removed in (0, 7):
+        neighbour = np.delete(features, removed, axis=0)
+        # same seed, same release index: the same noise, so the difference is the
+        # noiseless sums' difference
+        full = _released_sum(DPFeatureNormalization(seed=1), features)
+        less = _released_sum(DPFeatureNormalization(seed=1), neighbour)
+        assert np.linalg.norm(full - less) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_user_level_sensitivity_is_at_most_one_per_user():
+    rng = np.random.default_rng(1)
+    features = rng.normal(size=(60, 8))
+    users = np.repeat(np.arange(6), 10)
+    features[users == 2] = rng.normal(size=8) * 100  # a user with ten identical rows
+    keep = users != 2
+    full = _released_sum(DPFeatureNormalization(seed=4), features, user_ids=users)
+    less = _released_sum(DPFeatureNormalization(seed=4), features[keep], user_ids=users[keep])
+    assert np.linalg.norm(full - less) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_outputs_have_the_norm_and_are_per_example():
+    rng = np.random.default_rng(2)
+    features = rng.normal(2.0, 1.0, (300, 12)).astype("float32")
+    layer = DPFeatureNormalization(norm=3.0, seed=0)
+    layer.adapt(features)
+    batch = np.asarray(layer(features[:20]))
+    np.testing.assert_allclose(np.linalg.norm(batch, axis=1), 3.0, rtol=1e-5)
+    one_by_one = np.concatenate([np.asarray(layer(features[i:i + 1])) for i in range(20)])
+    np.testing.assert_allclose(batch, one_by_one, rtol=1e-6, atol=1e-6)
+    mean = layer.mean.numpy()
+    units = features[:20] / np.linalg.norm(features[:20], axis=1, keepdims=True)
+    expected = units - mean
+    expected = 3.0 * expected / np.linalg.norm(expected, axis=1, keepdims=True)
+    np.testing.assert_allclose(batch, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_every_release_is_an_event_and_epsilon_matches_dp_accounting():
+    layer = DPFeatureNormalization(noise_multiplier=4.0, seed=0)
+    planned = layer.dp_event()  # before adapt: the release it will make
+    assert planned == dp_accounting.GaussianDpEvent(4.0)
+    features = np.random.default_rng(0).normal(size=(100, 4))
+    layer.adapt(features)
+    assert layer.num_releases == 1 and layer.dp_event() == planned
+    first = layer.mean.numpy().copy()
+    layer.adapt(features)
+    assert layer.num_releases == 2
+    assert not np.allclose(first, layer.mean.numpy())  # a fresh noise stream
+    direct = dp_accounting.pld.PLDAccountant(
+        value_discretization_interval=1e-4)
+    direct.compose(dp_accounting.GaussianDpEvent(4.0), 2)
+    assert compose_epsilon([layer.dp_event()], 1e-6) == pytest.approx(
+        direct.get_epsilon(1e-6), rel=1e-3)
+
+
+def test_the_recipe_accountant_composes_the_mean_with_training():
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 1.0, (400, 6)).astype("float32")
+    y = (x[:, 0] > 1.0).astype("int32")
+    norm = DPFeatureNormalization(seed=0)
+    norm.adapt(x)
+    recipe = suggest_recipe(len(y), 3.0, 1e-6, epochs=5, min_steps=10, trainable="head",
+                            extra_events=[norm.dp_event()])
+    head = keras.Sequential([keras.Input((6,)), norm, keras.layers.Dense(2)])
+    head.compile(optimizer=recipe.optimizer(seed=0),
+                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = recipe.poisson_batches((x, y), seed=0)
+    accountant = recipe.accountant(batches=batches, verbose=0)
+    head.fit(batches, epochs=1, callbacks=[accountant], verbose=0)
+    ledger = ledger_of(head)
+    assert ledger.updates == recipe.steps
+    report = accountant.report()
+    rows = [row for row in ledger.rows() if row[3]]
+    direct = compose_epsilon(ledger_events(rows, len(y)) + [dp_accounting.GaussianDpEvent(
+        norm.noise_multiplier)], report["total_delta"])
+    assert report["total_epsilon"] == pytest.approx(direct, rel=1e-3)
+    assert report["total_epsilon"] > accountant.epsilon
+    assert report["total_epsilon"] <= 3.0
+    np.testing.assert_array_equal(norm.mean.numpy(), head.layers[0].mean.numpy())
+    assert not head.layers[0].trainable_weights
+
+
+def test_saving_keeps_the_mean_and_the_release_count(tmp_path):
+    features = np.random.default_rng(5).normal(size=(80, 5)).astype("float32")
+    layer = DPFeatureNormalization(norm=2.0, seed=9)
+    layer.adapt(features)
+    model = keras.Sequential([keras.Input((5,)), layer, keras.layers.Dense(3)])
+    path = tmp_path / "head.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    again = loaded.layers[0]
+    assert isinstance(again, DPFeatureNormalization)
+    assert (again.norm, again.noise_multiplier, again.seed, again.num_releases) == (
+        2.0, 5.0, 9, 1)
+    np.testing.assert_array_equal(again.mean.numpy(), layer.mean.numpy())
+    np.testing.assert_allclose(loaded.predict(features, verbose=0),
+                               model.predict(features, verbose=0), rtol=1e-6)
+    again.adapt(features)  # counts on from the saved releases, with a new stream
+    assert again.num_releases == 2
+    assert not np.allclose(again.mean.numpy(), layer.mean.numpy())
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ValueError, match="not differentially private"):
+        DPFeatureNormalization(noise_multiplier=0.0)
+    with pytest.raises(ValueError, match="`norm` must be > 0"):
+        DPFeatureNormalization(norm=0.0)
+    with pytest.raises(ValueError, match="`seed` must be an int"):
+        DPFeatureNormalization(seed=1.5)
+    layer = DPFeatureNormalization()
+    with pytest.raises(ValueError, match="call `adapt"):
+        layer(np.ones((2, 3), "float32"))
+    with pytest.raises(ValueError, match=r"non-empty \[N, d\]"):
+        layer.adapt(np.ones(3))
+    with pytest.raises(ValueError, match="NaN"):
+        layer.adapt(np.array([[1.0, np.nan]]))
+    with pytest.raises(ValueError, match="user_ids"):
+        layer.adapt(np.ones((4, 3)), user_ids=[0, 1])
+    assert layer.num_releases == 0  # nothing was released by a refused call
+    layer.adapt(np.ones((4, 3)))
+    with pytest.raises(ValueError, match="built for 3 features"):
+        layer.adapt(np.ones((4, 5)))
+    assert layer.num_releases == 1
