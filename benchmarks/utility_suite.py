@@ -84,7 +84,9 @@ PROXY = {"rotten_tomatoes": "shakespeare_genre_2000",
          # fourth round: stand-ins from earlier tasks, none sharing a text with its task
          "kjv_testament_2000": "shakespeare_genre_2000", "kjv_division": "folio_genre",
          "kjv_division_1000": "fortunes_6",
-         "milton_vs_shakespeare_2000": "rotten_tomatoes_3000"}
+         "milton_vs_shakespeare_2000": "rotten_tomatoes_3000",
+         # fifth round (benchmarks/fifth_round.md)
+         **utility_tasks.FIFTH_ROUND_PROXY}
 # The best non-private model of another kind measured on a task (test accuracy, what):
 # fine-tuning beats the probe where it was run.
 OTHER_KINDS = {"rotten_tomatoes": (0.803, "MiniLM top 2 layers fine-tuned, "
