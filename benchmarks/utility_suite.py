@@ -161,7 +161,7 @@ def _train_private(splits, classes, recipe, learning_rate=None, normalization=No
             "learning_rate": float(optimizer.learning_rate.numpy()),
             "optimizer": DP_OPTIMIZER, **DP_OPTIMIZER_KWARGS,
             "epsilon": accountant.epsilon,
-            "total_epsilon": accountant.report()["total_epsilon"]}
+            **{key: accountant.report()[key] for key in ("total_epsilon", "total_delta")}}
 
 
 def _privacy_units(splits):

@@ -157,3 +157,96 @@ def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="built for 3 features"):
         layer.adapt(np.ones((4, 5)))
     assert layer.num_releases == 1
+
+
+def _head_and_recipe(x, y, norm, extra_events, users=None):
+    units = len(np.unique(users)) if users is not None else len(y)
+    recipe = suggest_recipe(units, 3.0, 1e-6, epochs=5, min_steps=5, trainable="head",
+                            extra_events=extra_events)
+    head = keras.Sequential([keras.Input((x.shape[1],)), norm, keras.layers.Dense(2)])
+    head.compile(optimizer=recipe.optimizer(seed=0),
+                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = (recipe.poisson_batches((x, y), seed=0) if users is None
+               else recipe.poisson_user_batches((x, y), users, 4, seed=0))
+    return head, recipe, batches
+
+
+def test_the_accountant_refuses_a_release_left_out_of_its_total():
+    from keras_dp_lm import PrivacyAccountant
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(200, 4)).astype("float32"), rng.integers(0, 2, 200)
+    norm = DPFeatureNormalization(seed=0)
+    norm.adapt(x)
+    head, recipe, batches = _head_and_recipe(x, y, norm, [])
+    plain = PrivacyAccountant(target_epsilon=3.0, delta=1e-6, batches=batches, verbose=0)
+    with pytest.raises(PrivacyRefusalError, match=r"extra_events=\[layer.dp_event\(\)\]"):
+        head.fit(batches, epochs=1, callbacks=[plain], verbose=0)
+    assert ledger_of(head).updates == 0  # refused before any update
+    # an event taken before a second adapt is stale: it counts one release of two
+    stale = norm.dp_event()
+    norm.adapt(x)
+    head, recipe, batches = _head_and_recipe(x, y, norm, [stale])
+    with pytest.raises(PrivacyRefusalError, match="2 time"):
+        head.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
+                 verbose=0)
+    head, recipe, batches = _head_and_recipe(x, y, norm, [norm.dp_event()])
+    head.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)], verbose=0)
+    assert ledger_of(head).updates == recipe.steps
+
+
+def test_the_accountant_refuses_a_per_record_mean_for_user_level_training():
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(240, 4)).astype("float32"), rng.integers(0, 2, 240)
+    users = np.repeat(np.arange(40), 6)
+    per_record = DPFeatureNormalization(seed=0)
+    per_record.adapt(x)  # one record as the unit: a user with 6 records moves it 6x
+    head, recipe, batches = _head_and_recipe(x, y, per_record, [per_record.dp_event()],
+                                             users)
+    with pytest.raises(PrivacyRefusalError, match="adapt it again with `user_ids`"):
+        head.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
+                 verbose=0)
+    assert ledger_of(head).updates == 0
+    per_user = DPFeatureNormalization(seed=0)
+    per_user.adapt(x, user_ids=users)
+    assert per_user.privacy_unit == "user"
+    head, recipe, batches = _head_and_recipe(x, y, per_user, [per_user.dp_event()], users)
+    head.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)], verbose=0)
+    assert ledger_of(head).privacy_unit == "user"
+    with pytest.raises(ValueError, match="same unit"):
+        per_user.adapt(x)  # a later release must protect the same unit
+
+
+def test_weights_alone_keep_the_count_and_a_clone_has_no_mean(tmp_path):
+    x = np.random.default_rng(3).normal(size=(50, 3)).astype("float32")
+    layer = DPFeatureNormalization(seed=0)
+    layer.adapt(x)
+    layer.adapt(x)
+    model = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dense(2)])
+    path = tmp_path / "head.weights.h5"
+    model.save_weights(path)
+    fresh = keras.Sequential([keras.Input((3,)), DPFeatureNormalization(),
+                              keras.layers.Dense(2)])
+    fresh.load_weights(path)
+    assert fresh.layers[0].num_releases == 2
+    assert fresh.layers[0].dp_event() == layer.dp_event()
+    clone = keras.models.clone_model(model)  # config only: the mean is not copied
+    with pytest.raises(ValueError, match="no mean yet"):
+        clone(x)
+    with pytest.raises(ValueError, match="`num_releases` must be an int >= 0"):
+        DPFeatureNormalization(num_releases=-1)
+
+
+def test_the_group_privacy_line_says_it_leaves_other_releases_out():
+    from keras_dp_lm.accounting.report import privacy_report
+    from keras_dp_lm.accounting.report import privacy_statement
+
+    with_mean = privacy_statement(privacy_report(
+        1.0, 0.01, 100, 1e-6, extra_events=[dp_accounting.GaussianDpEvent(5.0)],
+        examples_per_user=4))
+    assert "training alone: the other releases are not in it" in with_mean
+    alone = privacy_statement(privacy_report(1.0, 0.01, 100, 1e-6, examples_per_user=4))
+    assert "(group privacy over example-level DP)." in alone

@@ -212,7 +212,9 @@ def privacy_statement(report):
         lines.append(
             f"For a user contributing at most {r['examples_per_user']} examples: "
             f"epsilon = {format_epsilon(r['user_level_epsilon'])} at delta = {r['delta']:.3g} "
-            "(group privacy over example-level DP).")
+            "(group privacy over example-level DP" + ("; training alone: the other "
+                                                      "releases are not in it)." if
+                                                      r.get("extras") else ")."))
     return " ".join(lines)
 
 

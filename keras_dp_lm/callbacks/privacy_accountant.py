@@ -29,6 +29,7 @@ from keras_dp_lm.training.binding import is_bound_to_dp_step
 from keras_dp_lm.training.fit_guards import check_optimizer_matches_step
 from keras_dp_lm.training.model_ledgers import ledger_of
 from keras_dp_lm.callbacks.accountant_report import accountant_report
+from keras_dp_lm.callbacks.feature_releases import check_feature_releases
 from keras_dp_lm.callbacks.batch_epsilon import BatchEpsilonMixin
 
 
@@ -140,6 +141,8 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         # keras_dp_lm.data.poisson): the guarantee's delta grows by (1 + e^eps) p,
         # p over the updates applied (the report reads them from the ledger).
         self._overflow_cap = getattr(batches, "overflow_cap", None)
+        # User batches (keras_dp_lm.data.poisson_user_batches) carry their k.
+        self._user_batches = getattr(batches, "examples_per_user", None) is not None
         if batches is not None:
             rate = getattr(batches, "sampling_rate", None)
             size = getattr(batches, "dataset_size", None)
@@ -391,6 +394,9 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         check_optimizer_matches_step(self.model, is_bound_to_dp_step(self.model))
         self.in_fit = True
         self._config = self._resolve()
+        check_feature_releases(self.model, self.extra_events,
+                               "user" if self._user_batches else ledger_of(self.model)
+                               .privacy_unit)
         self._limit = None
         self.stopped_at = None
         self._reset_batch_epsilon()

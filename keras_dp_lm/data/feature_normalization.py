@@ -24,6 +24,7 @@ HEAD_FEATURE_NORM = 4.0
 # released mean's noise is 5 / N per coordinate; about epsilon 1 alone at delta
 # 1e-6, far less once composed with DP-SGD (PLD).
 MEAN_NOISE_MULTIPLIER = 5.0
+PRIVACY_UNITS = ("example", "user")
 
 
 def _unit_rows(x):
@@ -46,7 +47,10 @@ class DPFeatureNormalization(keras.layers.Layer):
 
     Privacy unit: one row of ``features``, or one user with ``user_ids``
     (each user's rows are averaged first, so a user also moves the sum by at
-    most 1). Use the same unit as the training.
+    most 1); :attr:`privacy_unit` keeps it, and ``PrivacyAccountant`` refuses
+    to train a model holding this layer with the other unit, or without the
+    layer's current :meth:`dp_event` among its ``extra_events``. Releasing
+    the mean also releases N.
 
     Every ``adapt`` is one more release, counted in ``num_releases`` (saved
     with the layer) and in :meth:`dp_event`; before the first ``adapt`` the
@@ -61,7 +65,11 @@ class DPFeatureNormalization(keras.layers.Layer):
             (``trainable="head"``), whose rate was tuned on features of norm ~4.
         noise_multiplier: std of the noise on the sum of unit vectors (> 0).
         seed: seed of the noise (``None``: OS entropy); release ``i`` draws
-            from the stream ``(seed, i)``.
+            from the stream ``(seed, i)``. For tests only: two layers with the
+            same seed on neighbouring data draw the same noise, which voids
+            the guarantee.
+        num_releases, privacy_unit: the releases made so far and their unit
+            (restored by ``from_config``; leave them alone).
 
     Example:
         >>> import keras, numpy as np
@@ -80,7 +88,7 @@ class DPFeatureNormalization(keras.layers.Layer):
     """
 
     def __init__(self, norm=HEAD_FEATURE_NORM, noise_multiplier=MEAN_NOISE_MULTIPLIER,
-                 seed=None, num_releases=0, **kwargs):
+                 seed=None, num_releases=0, privacy_unit="example", **kwargs):
         kwargs.setdefault("trainable", False)
         super().__init__(**kwargs)
         norm = float(norm)
@@ -94,12 +102,30 @@ class DPFeatureNormalization(keras.layers.Layer):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
         self.seed = seed
+        if (isinstance(num_releases, bool) or not isinstance(num_releases, (int, np.integer))
+                or num_releases < 0):
+            raise ValueError(f"`num_releases` must be an int >= 0, got {num_releases!r}.")
+        if privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(f"`privacy_unit` must be one of {PRIVACY_UNITS}, got "
+                             f"{privacy_unit!r}.")
         self.num_releases = int(num_releases)
+        self.privacy_unit = privacy_unit
+        self._has_mean = False  # set by adapt or by loading saved weights
         self.mean = None
 
     def build(self, input_shape):
         self.mean = self.add_weight(shape=(int(input_shape[-1]),), initializer="zeros",
                                     trainable=False, name="mean")
+        # The release count travels with the weights too (load_weights into a
+        # fresh layer must not restart it).
+        self.releases = self.add_weight(shape=(), initializer="zeros", dtype="int64",
+                                        trainable=False, name="releases")
+        self.releases.assign(self.num_releases)
+
+    def load_own_variables(self, store):
+        super().load_own_variables(store)
+        self.num_releases = max(self.num_releases, int(self.releases.numpy()))
+        self._has_mean = self.num_releases > 0
 
     def adapt(self, features, user_ids=None):
         """Release the DP mean of ``features`` (``[N, d]``), one more release.
@@ -114,6 +140,11 @@ class DPFeatureNormalization(keras.layers.Layer):
         if not np.all(np.isfinite(x)):
             raise ValueError("`features` contain NaN or infinite values.")
         units = _unit_rows(x)
+        unit = "example" if user_ids is None else "user"
+        if self.num_releases and unit != self.privacy_unit:
+            raise ValueError(f"This layer's earlier releases protected one {self.privacy_unit}"
+                             f"; adapt again with the same unit (`user_ids` "
+                             f"{'given' if self.privacy_unit == 'user' else 'None'}).")
         if user_ids is not None:
             users = np.asarray(user_ids)
             if users.shape != (x.shape[0],):
@@ -130,8 +161,11 @@ class DPFeatureNormalization(keras.layers.Layer):
                              f"{x.shape[1]}.")
         rng = np.random.default_rng(self._release_seed(self.num_releases))
         self.num_releases += 1  # counted as soon as the noise is drawn
+        self.privacy_unit = unit
+        self.releases.assign(self.num_releases)
         noisy_sum = units.sum(0) + rng.normal(0.0, self.noise_multiplier, x.shape[1])
         self.mean.assign((noisy_sum / len(units)).astype(self.mean.dtype))
+        self._has_mean = True
 
     def _release_seed(self, index):
         if self.seed is None:
@@ -139,9 +173,9 @@ class DPFeatureNormalization(keras.layers.Layer):
         return np.random.SeedSequence(self.seed, spawn_key=(index,))
 
     def call(self, inputs):
-        if self.num_releases == 0:
+        if not self._has_mean:
             raise ValueError("DPFeatureNormalization has no mean yet: call `adapt(features)` "
-                             "on the training features first.")
+                             "on the training features first (or load saved weights).")
         ops = keras.ops
         x = ops.cast(inputs, self.compute_dtype)
 
@@ -164,5 +198,6 @@ class DPFeatureNormalization(keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config.update(norm=self.norm, noise_multiplier=self.noise_multiplier,
-                      seed=self.seed, num_releases=self.num_releases)
+                      seed=self.seed, num_releases=self.num_releases,
+                      privacy_unit=self.privacy_unit)
         return config
