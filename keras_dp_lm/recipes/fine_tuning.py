@@ -46,7 +46,11 @@ them spends no privacy (tuning them on the private data would):
   one, so the rate is ``head_displacement / steps`` (2 / 100 = 0.02), and the
   non-private rate plays no part. Measured on four tuning tasks (frozen MiniLM
   features; ``benchmarks/utility_suite.py``), the best rates at 100 steps were
-  0.01-0.03. :meth:`DPRecipe.explain` says which regime the noise puts the run
+  0.01-0.03. The rate assumes features of norm about 4 (MiniLM's mean-pooled
+  features): :class:`keras_dp_lm.data.DPFeatureNormalization` in front of the head
+  centres them on a DP mean and rescales them to that norm (features of norm 1
+  cost the bare rule 13-16 points on two of those tasks).
+  :meth:`DPRecipe.explain` says which regime the noise puts the run
   in (``r`` below): above ``r = 10`` the noise swamps most coordinates, and
   training fewer parameters usually wins (Tramer & Boneh 2021).
 * **Noise calibrated last**, with ``dp_accounting``'s PLD accountant, for the
@@ -411,7 +415,8 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
                        f"zero moves each coordinate about the rate per step under DP-Adam "
                        f"(the noise fills Adam's second moment), so the rate is "
                        f"{head_displacement:g} / {steps} steps; the non-private rate plays "
-                       "no part")
+                       "no part; it assumes features of norm about 4, which "
+                       "keras_dp_lm.data.DPFeatureNormalization gives them")
     else:
         lr = learning_rate * scale * noise_factor
         reasons.append(f"learning rate {lr:.3g}: your non-private {learning_rate:g} at batch "
