@@ -403,6 +403,22 @@ def markdown(rows, repeats):
     return "\n".join(lines)
 
 
+def merge_rows(rows):
+    """One row per task: a later row's DP cells that were run replace the earlier
+    row's (``--rows`` runs of a few rows merged into a full run), in task order."""
+    merged = {}
+    for row in rows:
+        key = row["task"]
+        if key not in merged or "non_private" not in row:
+            merged[key] = row
+            continue
+        for eps in EPSILONS:
+            for name, runs in row[f"eps{eps:g}"].items():
+                if not any(r.get("why") == "not run (--rows)" for r in runs):
+                    merged[key][f"eps{eps:g}"][name] = runs
+    return list(merged.values())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=os.environ.get("KERAS_DP_LM_DATA", "data"))
@@ -413,7 +429,8 @@ def main(argv=None):
     parser.add_argument("--output", default=None, help="also write the rows as JSON")
     parser.add_argument("--from-json", nargs="*", default=None, metavar="FILE",
                         help="render (and write) the rows of earlier runs' --output files "
-                             "instead of running")
+                             "instead of running; a task's cells run in a later file "
+                             "replace the earlier file's")
     parser.add_argument("--no-write", action="store_true",
                         help="do not write benchmarks/RESULTS.md")
     parser.add_argument("--dp-optimizer", default="adam", choices=["adam", "adambc"],
@@ -429,7 +446,7 @@ def main(argv=None):
     global DP_OPTIMIZER, DP_ROWS
     DP_OPTIMIZER, DP_ROWS = args.dp_optimizer, tuple(args.rows)
     if args.from_json:
-        rows = [row for path in args.from_json for row in json.load(open(path))]
+        rows = merge_rows(row for path in args.from_json for row in json.load(open(path)))
         probe = [r for r in rows if "non_private" in r]
         text = markdown(probe, len(probe[0]["eps3"]["search"]))
         lm_rows = [r for r in rows if "ratio" in r]
