@@ -16,6 +16,11 @@ model trained is a linear head on them, i.e. a probe), at epsilon 3 and 8 (delta
   batch 64 and the head's parameter count, trained as the README's recipe path.
 * **DP head rule**: ``suggest_recipe(..., trainable="head")`` (epochs 50): the
   rate ``2 / steps`` for a new head, no non-private run needed.
+* **DP head rule + norm** (``head_norm``, the README's path since the fifth round):
+  the same behind ``keras_dp_lm.data.DPFeatureNormalization`` (features centred on
+  a DP mean, noise multiplier 5, rescaled to norm 4), its release composed into the
+  recipe (``extra_events``); adopted on the 16 earlier tasks by criteria fixed
+  before the run, tested on the fifth round (``benchmarks/feature_normalization.md``).
 * **DP search**: ``tuning.private_search`` on the training split alone (10% of it
   held out privately to score trials), the probe's candidates
   ``PROBE_LEARNING_RATES``, mean 3 trials (geometric), 50 epochs per trial (batch
@@ -34,7 +39,9 @@ added afterwards, in four rounds, and run once with the procedure as it stands
 (the third round after the second round's misses had been looked into, with no
 change to the procedure; the fourth, ``utility_tasks.FOURTH_ROUND_TASKS`` on the
 King James Bible and on Milton against Shakespeare, with no change either, its
-tasks and proxies written down in ``benchmarks/fourth_round.md`` before its run).
+tasks and proxies written down in ``benchmarks/fourth_round.md`` before its run;
+the fifth, ``utility_tasks.FIFTH_ROUND_TASKS``, defined in
+``benchmarks/fifth_round.md`` before any run, to test the ``head_norm`` revision).
 
 User-level tasks (``utility_tasks.USER_LEVEL_TASKS``: each record carries the id of
 the person who wrote or said it, the privacy unit): the same non-private probe
