@@ -250,3 +250,27 @@ def test_the_group_privacy_line_says_it_leaves_other_releases_out():
     assert "training alone: the other releases are not in it" in with_mean
     alone = privacy_statement(privacy_report(1.0, 0.01, 100, 1e-6, examples_per_user=4))
     assert "(group privacy over example-level DP)." in alone
+
+
+def test_without_batches_the_unit_is_checked_after_the_first_update():
+    from keras_dp_lm import PrivacyAccountant
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(240, 4)).astype("float32"), rng.integers(0, 2, 240)
+    users = np.repeat(np.arange(40), 6)
+    per_user = DPFeatureNormalization(seed=0)
+    per_user.adapt(x, user_ids=users)
+    head, recipe, batches = _head_and_recipe(x, y, per_user, [per_user.dp_event()])
+    accountant = PrivacyAccountant(delta=1e-6, dataset_size=len(y),
+                                   batch_size=recipe.batch_size,
+                                   extra_events=[per_user.dp_event()], verbose=0)
+    with pytest.raises(PrivacyRefusalError, match=r"the 1 update\(s\) already applied"):
+        head.fit(batches, epochs=1, callbacks=[accountant], verbose=0)
+    assert ledger_of(head).updates == 1
+    # the same layer with user batches: the unit matches once the ledger knows it
+    head, recipe, batches = _head_and_recipe(x, y, per_user, [per_user.dp_event()], users)
+    accountant = PrivacyAccountant(delta=1e-6, dataset_size=40, batch_size=recipe.batch_size,
+                                   extra_events=[per_user.dp_event()], verbose=0)
+    head.fit(batches, epochs=1, callbacks=[accountant], verbose=0)
+    assert ledger_of(head).privacy_unit == "user"

@@ -15,21 +15,29 @@ def _flat(events):
             yield from _flat(event.events)
 
 
-def check_feature_releases(model, extra_events, unit):
-    """Refuse (before any update) a model holding a ``DPFeatureNormalization``
-    whose current releases are not among ``extra_events``, or whose privacy
-    unit is not the training's (``unit``: ``"example"``, ``"user"``, or
-    ``None`` when not known yet, read as ``"example"``)."""
+def check_feature_releases(model, extra_events, unit, applied=0):
+    """Refuse a model holding a ``DPFeatureNormalization`` whose current releases
+    are not among ``extra_events``, or whose privacy unit is not the training's
+    (``unit``: ``"example"`` or ``"user"``; ``None`` when the accountant cannot
+    know it before the first update). Returns True when such a layer exists and
+    ``unit`` is ``None``: call again with the ledger's unit after one update
+    (``applied`` updates are then named in the error)."""
     accounted = list(_flat(extra_events))
+    pending = False
     for layer in flatten_layers(model, include_self=False):
         if not isinstance(layer, DPFeatureNormalization) or not layer.num_releases:
             continue
-        if layer.privacy_unit != (unit or "example"):
+        if unit is None:
+            pending = True
+        elif layer.privacy_unit != unit:
             raise PrivacyRefusalError(
                 f"{layer.name!r} released its mean with one {layer.privacy_unit} as the "
-                f"privacy unit, but this training protects one {unit or 'example'}: adapt "
-                f"it again {'with' if unit == 'user' else 'without'} `user_ids` (a user "
-                "with k records moves a per-record mean k times as far).")
+                f"privacy unit, but this training protects one {unit}: adapt it again "
+                f"{'with' if unit == 'user' else 'without'} `user_ids` (a user with k "
+                "records moves a per-record mean k times as far)"
+                + (f"; the {applied} update(s) already applied are in the ledger." if
+                   applied else "; refused before any update. Passing `batches=` to the "
+                   "accountant lets it check this before the first update."))
         if layer.dp_event() not in accounted:
             raise PrivacyRefusalError(
                 f"{layer.name!r} released the mean of this training data "
@@ -37,3 +45,4 @@ def check_feature_releases(model, extra_events, unit):
                 "extra_events: pass PrivacyAccountant(extra_events=[layer.dp_event()]) "
                 "(suggest_recipe(extra_events=[layer.dp_event()]) after the last adapt "
                 "does it for recipe.accountant()).")
+    return pending

@@ -143,6 +143,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         self._overflow_cap = getattr(batches, "overflow_cap", None)
         # User batches (keras_dp_lm.data.poisson_user_batches) carry their k.
         self._user_batches = getattr(batches, "examples_per_user", None) is not None
+        self._unit_pending = False
         if batches is not None:
             rate = getattr(batches, "sampling_rate", None)
             size = getattr(batches, "dataset_size", None)
@@ -394,9 +395,12 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         check_optimizer_matches_step(self.model, is_bound_to_dp_step(self.model))
         self.in_fit = True
         self._config = self._resolve()
-        check_feature_releases(self.model, self.extra_events,
-                               "user" if self._user_batches else ledger_of(self.model)
-                               .privacy_unit)
+        # The training's unit: from user batches, else from earlier updates, else
+        # known only after the first update (checked then).
+        self._unit_pending = check_feature_releases(
+            self.model, self.extra_events,
+            "user" if self._user_batches else ledger_of(self.model).privacy_unit
+            or ("example" if self._batches_rate is not None else None))
         self._limit = None
         self.stopped_at = None
         self._reset_batch_epsilon()
@@ -436,6 +440,10 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
                 f"{self._config['batch_size']:g} ({self._config['batch_size_source']}), "
                 f"q={self._config['sampling_rate']:.6g}, sigma="
                 f"{self._config['noise_multiplier']:g}.")
+        if self._unit_pending and ledger.privacy_unit is not None:
+            self._unit_pending = False
+            check_feature_releases(self.model, self.extra_events, ledger.privacy_unit,
+                                   applied=ledger.updates)
         count = self._count()
         limit = self.max_steps
         budget_end = limit is not None and count + self._config["steps_per_execution"] > limit
