@@ -49,8 +49,10 @@ class DPFeatureNormalization(keras.layers.Layer):
     (each user's rows are averaged first, so a user also moves the sum by at
     most 1); :attr:`privacy_unit` keeps it, and ``PrivacyAccountant`` refuses
     to train a model holding this layer with the other unit, or without the
-    layer's current :meth:`dp_event` among its ``extra_events``. Releasing
-    the mean also releases N.
+    layer's current :meth:`dp_event` among its ``extra_events``. The
+    accountant sees the layer only inside the trained model: used as a
+    preprocessing step outside it, pass its event yourself. Releasing the
+    mean also releases N.
 
     Every ``adapt`` is one more release, counted in ``num_releases`` (saved
     with the layer) and in :meth:`dp_event`; before the first ``adapt`` the
