@@ -343,9 +343,11 @@ RULES = {"head": "the head rule", "head_norm": "the head rule with DPFeatureNorm
 
 
 def _summary(rows, eps, rule):
-    gaps = {row["task"]: _mean(row[f"eps{eps:g}"].get(rule, [{"test": None}])) for row in rows}
-    gaps = {t: g * 100 - row["non_private"]["test"] * 100
-            for row in rows for t, g in gaps.items() if t == row["task"] and g is not None}
+    gaps = {}
+    for row in rows:
+        mean = _mean(row[f"eps{eps:g}"].get(rule, [{"test": None}]))
+        if mean is not None:
+            gaps[row["task"]] = mean * 100 - row["non_private"]["test"] * 100
     if not gaps:
         return None
     misses = {t: g for t, g in gaps.items() if g < -3.0}

@@ -274,3 +274,29 @@ def test_without_batches_the_unit_is_checked_after_the_first_update():
                                    extra_events=[per_user.dp_event()], verbose=0)
     head.fit(batches, epochs=1, callbacks=[accountant], verbose=0)
     assert ledger_of(head).privacy_unit == "user"
+
+
+def test_one_event_accounts_for_one_layer_only():
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(200, 4)).astype("float32"), rng.integers(0, 2, 200)
+    first, second = DPFeatureNormalization(seed=0), DPFeatureNormalization(seed=1)
+    first.adapt(x)
+    second.adapt(x)  # two releases of the same data, each GaussianDpEvent(5)
+    inner = keras.Sequential([keras.Input((4,)), second, keras.layers.Dense(2)])
+    for events, refused in (([first.dp_event()], True),
+                            ([first.dp_event(), second.dp_event()], False)):
+        head, recipe, batches = _head_and_recipe(x, y, first, events)
+        head = keras.Sequential([keras.Input((4,)), first, inner])
+        head.compile(optimizer=recipe.optimizer(seed=0),
+                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        fit = lambda: head.fit(batches, epochs=1,  # noqa: E731
+                               callbacks=[recipe.accountant(batches=batches)], verbose=0)
+        if refused:
+            with pytest.raises(PrivacyRefusalError, match="not in the accountant's"):
+                fit()
+            assert ledger_of(head).updates == 0
+        else:
+            fit()
+            assert ledger_of(head).updates == recipe.steps

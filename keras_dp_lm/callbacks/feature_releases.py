@@ -1,18 +1,9 @@
 """Releases that layers of the trained model made about its training data
 (``DPFeatureNormalization``'s DP mean) must be in the accountant's total."""
 
-import dp_accounting
-
 from keras_dp_lm.data.feature_normalization import DPFeatureNormalization
 from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.training.keras_internals import flatten_layers
-
-
-def _flat(events):
-    for event in events:
-        yield event
-        if isinstance(event, dp_accounting.ComposedDpEvent):
-            yield from _flat(event.events)
 
 
 def check_feature_releases(model, extra_events, unit, applied=0):
@@ -21,8 +12,9 @@ def check_feature_releases(model, extra_events, unit, applied=0):
     (``unit``: ``"example"`` or ``"user"``; ``None`` when the accountant cannot
     know it before the first update). Returns True when such a layer exists and
     ``unit`` is ``None``: call again with the ledger's unit after one update
-    (``applied`` updates are then named in the error)."""
-    accounted = list(_flat(extra_events))
+    (``applied`` updates are then named in the error). Each extra event
+    accounts for one layer only: two layers need two events."""
+    accounted = list(extra_events)
     pending = False
     for layer in flatten_layers(model, include_self=False):
         if not isinstance(layer, DPFeatureNormalization) or not layer.num_releases:
@@ -38,7 +30,9 @@ def check_feature_releases(model, extra_events, unit, applied=0):
                 + (f"; the {applied} update(s) already applied are in the ledger." if
                    applied else "; refused before any update. Passing `batches=` to the "
                    "accountant lets it check this before the first update."))
-        if layer.dp_event() not in accounted:
+        if layer.dp_event() in accounted:
+            accounted.remove(layer.dp_event())
+        else:
             raise PrivacyRefusalError(
                 f"{layer.name!r} released the mean of this training data "
                 f"{layer.num_releases} time(s), and that is not in the accountant's "
