@@ -1,6 +1,7 @@
 """The DP fine-tuning recipe: its rules, its budget (checked against dp_accounting
 called directly) and the objects it builds."""
 
+import dataclasses
 import math
 import warnings
 
@@ -135,6 +136,27 @@ def test_a_new_head_gets_the_displacement_rate_whatever_the_non_private_rate():
     assert (head.noise_multiplier, head.epsilon) == (tuned.noise_multiplier, tuned.epsilon)
     with pytest.raises(ValueError, match="trainable"):
         suggest_recipe(**{**kwargs, "trainable": "lora"})
+
+
+def test_a_heads_explain_says_what_its_examples_per_class_lead_to_expect():
+    kwargs = dict(target_epsilon=3.0, delta=1e-6, epochs=50.0, num_parameters=1540,
+                  trainable="head")
+    small = suggest_recipe(1_000, **kwargs, num_classes=4)  # 250 per class
+    large = suggest_recipe(1_600, **kwargs, num_classes=4)  # 400 per class
+    assert "data regime: small, 250 privacy units per class" in small.explain()
+    assert "more than 3 on 7" in small.explain()
+    assert "data regime: 400 privacy units per class" in large.explain()
+    assert "small" not in large.explain().split("data regime:")[1]
+    # an expectation only: every hyperparameter and the privacy are unchanged
+    bare = suggest_recipe(1_000, **kwargs)
+    assert "data regime" not in bare.explain()
+    assert dataclasses.replace(small, reasons=bare.reasons) == bare
+    # fine-tuning pretrained weights: no head measurements to quote
+    assert "data regime" not in suggest_recipe(
+        1_000, **{**kwargs, "trainable": "pretrained"}, num_classes=4).explain()
+    for bad in (1, 0, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="num_classes"):
+            suggest_recipe(1_000, **kwargs, num_classes=bad)
 
 
 def test_explain_names_the_regime_and_says_to_train_fewer_parameters_when_swamped():
