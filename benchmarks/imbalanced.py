@@ -39,7 +39,7 @@ TASKS = {"shakespeare_genre_10pct_1000": ("shakespeare_genre_2000", 0.10, 1000, 
          "rotten_tomatoes_10pct_3000": ("rotten_tomatoes", 0.10, 3000, True),
          "rotten_tomatoes_20pct_1000": ("rotten_tomatoes", 0.20, 1000, False),
          "shakespeare_history_20pct_1000": ("shakespeare_history_2000", 0.20, 1000, False),
-         "kjv_testament_5pct_2000": ("kjv_testament_2000", 0.05, 2000, False)}
+         "kjv_testament_5pct_1000": ("kjv_testament_2000", 0.05, 1000, False)}
 MAJORITY_RECALL = 0.05
 
 

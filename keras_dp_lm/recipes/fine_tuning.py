@@ -288,11 +288,13 @@ def _extra_delta(events):
 def _data_regime(n, num_classes):
     """The explain() line on what a head's data per class leads one to expect."""
     per_class = n / num_classes
+    rare = ("; with unbalanced classes count the smallest: a class of 50-100 training "
+            "examples was almost never predicted at epsilon 3 (benchmarks/imbalanced.md)")
     if per_class >= SMALL_DATA_UNITS_PER_CLASS:
         return (f"data regime: {per_class:.0f} privacy units per class (N / num_classes), at "
                 f"least {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 11 such tasks "
                 "(frozen MiniLM features) a DP head at epsilon 3 ended within 3 points of "
-                "the best non-private head on 9, and at most 3.5 below")
+                "the best non-private head on 9, and at most 3.5 below" + rare)
     return (f"data regime: small, {per_class:.0f} privacy units per class (N / num_classes), "
             f"under {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 10 such tasks "
             "(frozen MiniLM features) a DP head at epsilon 3 ended 0.8-8.8 points below the "
@@ -300,7 +302,7 @@ def _data_regime(n, num_classes):
             "about what a non-private head loses on a quarter to half of the data. The "
             "rate, the steps, a projection of the features and a DP class-mean head did "
             "not close it; more examples per class or a larger epsilon do "
-            "(benchmarks/feature_normalization.md)")
+            "(benchmarks/feature_normalization.md)" + rare)
 
 
 def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_steps=100,
