@@ -79,6 +79,7 @@ from keras_dp_lm.accounting import calibration
 from keras_dp_lm.accounting import epsilon as epsilon_lib
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.overflow import suggest_max_batch_size
+from keras_dp_lm.recipes.expectations import data_regime
 
 __all__ = ["DPRecipe", "NoiseDominatedWarning", "suggest_recipe"]
 
@@ -90,10 +91,6 @@ HEAD_DISPLACEMENT = 2.0
 TRAINABLE = ("pretrained", "head")
 # Above this noise-to-signal ratio the noise swamps most coordinates' updates.
 NOISE_DOMINATED = 10.0
-# Below this many privacy units per class a DP head's gap to non-private grew on the
-# utility suite (benchmarks/feature_normalization.md): a measured expectation for
-# explain(), not a rule that changes the recipe.
-SMALL_DATA_UNITS_PER_CLASS = 400
 
 
 class NoiseDominatedWarning(UserWarning):
@@ -285,26 +282,6 @@ def _extra_delta(events):
     return sum(float(e[1]) for e in events if isinstance(e, (tuple, list)))
 
 
-def _data_regime(n, num_classes):
-    """The explain() line on what a head's data per class leads one to expect."""
-    per_class = n / num_classes
-    rare = ("; with unbalanced classes count the smallest: a class of 50-100 training "
-            "examples was almost never predicted at epsilon 3 (benchmarks/imbalanced.md)")
-    if per_class >= SMALL_DATA_UNITS_PER_CLASS:
-        return (f"data regime: {per_class:.0f} privacy units per class (N / num_classes), at "
-                f"least {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 11 such tasks "
-                "(frozen MiniLM features) a DP head at epsilon 3 ended within 3 points of "
-                "the best non-private head on 9, and at most 3.5 below" + rare)
-    return (f"data regime: small, {per_class:.0f} privacy units per class (N / num_classes), "
-            f"under {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 10 such tasks "
-            "(frozen MiniLM features) a DP head at epsilon 3 ended 0.8-8.8 points below the "
-            "best non-private head, more than 3 on 7 (at epsilon 8: more than 3 on 1), "
-            "about what a non-private head loses on a quarter to half of the data. The "
-            "rate, the steps, a projection of the features and a DP class-mean head did "
-            "not close it; more examples per class or a larger epsilon do "
-            "(benchmarks/feature_normalization.md)" + rare)
-
-
 def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_steps=100,
                    max_batch_size=4096, micro_batch_size=None, learning_rate=1e-3,
                    reference_batch_size=32, max_learning_rate_scale=8.0,
@@ -475,7 +452,7 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
                 f"r = 23 the top 2 layers fell 5 points below non-private).{advice}.",
                 NoiseDominatedWarning, stacklevel=2)
     if trainable == "head" and num_classes is not None:
-        reasons.append(_data_regime(n, num_classes))
+        reasons.append(data_regime(n, num_classes))
     overflow_probability = overflow_delta / (1.0 + math.exp(target_epsilon))
     accumulation = 1
     if micro_batch_size is not None:
