@@ -122,11 +122,13 @@ def _accuracy(model, x, y):
     return float(np.mean(np.argmax(model.predict(x, batch_size=1024, verbose=0), -1) == y))
 
 
-def _recall(model, x, y):
-    """Each class's recall on ``(x, y)`` (a head that only predicts the majority
-    class has recall 1 on it and 0 on every other)."""
+def _test_scores(model, x, y):
+    """Accuracy, and each class's recall (a head that only predicts the majority
+    class has recall 1 on it and 0 on every other), from one prediction."""
     predicted = np.argmax(model.predict(x, batch_size=1024, verbose=0), -1)
-    return [float(np.mean(predicted[y == c] == c)) for c in range(int(y.max()) + 1)]
+    return {"test": float(np.mean(predicted == y)),
+            "test_recall": [float(np.mean(predicted[y == c] == c))
+                            for c in range(int(y.max()) + 1)]}
 
 
 def non_private_best(splits, classes):
@@ -142,9 +144,8 @@ def non_private_best(splits, classes):
         model.fit(x, y, batch_size=64, epochs=30, verbose=0)
         val = _accuracy(model, xv, yv)
         if best is None or val > best[0]:
-            best = (val, lr, _accuracy(model, xt, yt), _recall(model, xt, yt))
-    return {"validation": best[0], "learning_rate": best[1], "test": best[2],
-            "test_recall": best[3]}
+            best = (val, lr, _test_scores(model, xt, yt))
+    return {"validation": best[0], "learning_rate": best[1], **best[2]}
 
 
 def _recipe(n, classes, dim, epsilon, learning_rate=1e-3):
@@ -172,7 +173,7 @@ def _train_private(splits, classes, recipe, learning_rate=None, normalization=No
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     accountant = recipe.accountant(batches=batches, verbose=0)
     model.fit(batches, epochs=1, callbacks=[accountant], verbose=0, shuffle=False)
-    return {"test": _accuracy(model, xt, yt), "test_recall": _recall(model, xt, yt),
+    return {**_test_scores(model, xt, yt),
             "learning_rate": float(optimizer.learning_rate.numpy()),
             "optimizer": DP_OPTIMIZER, **DP_OPTIMIZER_KWARGS,
             "epsilon": accountant.epsilon,
