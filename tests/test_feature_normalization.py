@@ -9,50 +9,105 @@ import pytest
 from keras_dp_lm.accounting import compose_epsilon
 from keras_dp_lm.accounting import ledger_events
 from keras_dp_lm.data import DPFeatureNormalization
+from keras_dp_lm.data.feature_normalization import COUNT_NOISE_SCALE
+from keras_dp_lm.data.feature_normalization import MEAN_NOISE_MULTIPLIER
+from keras_dp_lm.data.feature_normalization import release_sensitivity
 from keras_dp_lm.recipes import suggest_recipe
 from keras_dp_lm.training.model_ledgers import ledger_of
 
 
-def _released_sum(layer, features, **kwargs):
+def _release(layer, features, **kwargs):
+    """What one ``adapt`` released, as the vector its event's sensitivity is about:
+    ``(noised sum, noised count / COUNT_NOISE_SCALE)``."""
     layer.adapt(features, **kwargs)
-    units = len(np.unique(kwargs["user_ids"])) if "user_ids" in kwargs else len(features)
-    return np.asarray(layer.mean.numpy(), "float64") * units
+    return np.append(layer.released_sum, layer.released_count / COUNT_NOISE_SCALE)
 
 
 def test_noise_std_matches_the_noise_multiplier():
     d = 20000
     features = np.zeros((10, d))
     features[:, 0] = 3.0  # ten copies of 3 e_0: the noiseless sum is 10 e_0
-    noisy = _released_sum(DPFeatureNormalization(noise_multiplier=2.5, seed=3), features)
-    noise = noisy - np.eye(d)[0] * 10
+    layer = DPFeatureNormalization(noise_multiplier=2.5, seed=3)
+    layer.adapt(features)
+    noise = layer.released_sum - np.eye(d)[0] * 10
     # std of d draws: relative standard error 1 / sqrt(2 d) = 0.5%
     assert np.std(noise) == pytest.approx(2.5, rel=0.02)
     assert np.mean(noise) == pytest.approx(0.0, abs=3 * 2.5 / np.sqrt(d))
+    counts = [_release(DPFeatureNormalization(noise_multiplier=2.5, seed=s), features[:, :2])[-1]
+              * COUNT_NOISE_SCALE - 10 for s in range(2000)]
+    # the count's noise: std COUNT_NOISE_SCALE * 2.5 (relative standard error 1.6%)
+    assert np.std(counts) == pytest.approx(COUNT_NOISE_SCALE * 2.5, rel=0.06)
+
+
+def test_the_mean_is_the_released_sum_over_the_released_count():
+    """Post-processing of the release only: no divisor computed from the data."""
+    features = np.random.default_rng(0).normal(1.0, 1.0, (300, 6))
+    layer = DPFeatureNormalization(seed=2)
+    layer.adapt(features)
+    np.testing.assert_allclose(layer.mean.numpy(),
+                               layer.released_sum / max(layer.released_count, 1.0), rtol=1e-6)
+    assert layer.released_count != 300
+
+
+def _claimed_bound(layer):
+    """The largest move of the released vector (in units of its noise std) that
+    the layer's event allows: 1 / the event's noise multiplier."""
+    return 1.0 / layer.dp_event().noise_multiplier
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
-def test_sensitivity_on_neighbouring_datasets_is_at_most_one(scale):
+def test_sensitivity_on_neighbouring_datasets_is_what_the_event_claims(scale):
+    """Add/remove one record, the added one opposite the mean (the worst case
+    for a mean), paired noise: the released vector moves by at most what the
+    event allows, and by exactly that for a record opposite every other."""
     rng = np.random.default_rng(0)
-    features = rng.normal(size=(50, 16)) * scale
-    features[7] *= 1e6  # an outlier moves the sum by no more than anyone else
-    for removed in (0, 7):
-        neighbour = np.delete(features, removed, axis=0)
+    features = rng.normal(0.5, 1.0, size=(50, 16)) * scale
+    features[7] *= 1e6  # an outlier moves the release by no more than anyone else
+    opposite = -features.mean(0, keepdims=True)
+    neighbours = [np.delete(features, 0, axis=0), np.delete(features, 7, axis=0),
+                  np.concatenate([features, opposite])]
+    sigma = MEAN_NOISE_MULTIPLIER
+    for neighbour in neighbours:
         # same seed, same release index: the same noise, so the difference is the
-        # noiseless sums' difference
-        full = _released_sum(DPFeatureNormalization(seed=1), features)
-        less = _released_sum(DPFeatureNormalization(seed=1), neighbour)
-        assert np.linalg.norm(full - less) == pytest.approx(1.0, abs=1e-5)
+        # noiseless statistics' difference
+        full = _release(DPFeatureNormalization(seed=1), features)
+        other = _release(DPFeatureNormalization(seed=1), neighbour)
+        moved = np.linalg.norm(full - other) / sigma
+        assert moved <= _claimed_bound(DPFeatureNormalization()) * (1 + 1e-9)
+        assert moved == pytest.approx(release_sensitivity() / sigma, rel=1e-6)
 
 
-def test_user_level_sensitivity_is_at_most_one_per_user():
+def test_the_released_mean_moves_no_more_than_its_noise_allows():
+    """The audit's probe (F1): dividing the noised sum by the data's own count
+    moved the released mean by up to 2 in units of the sum under add/remove; the
+    mean now moves like a function of the released pair, i.e. by about 1 (the
+    sum's part), whatever the neighbour."""
+    rng = np.random.default_rng(3)
+    features = rng.normal(1.0, 0.3, size=(400, 8))
+    opposite = -features.mean(0, keepdims=True)
+    moves = []
+    for seed in range(50):
+        a = DPFeatureNormalization(seed=seed)
+        b = DPFeatureNormalization(seed=seed)
+        a.adapt(features)
+        b.adapt(np.concatenate([features, opposite]))
+        # the mean scaled by the released count: in units of the sum
+        moves.append(np.linalg.norm(b.mean.numpy() * b.released_count
+                                    - a.mean.numpy() * a.released_count))
+    assert max(moves) <= release_sensitivity() * (1 + 1e-5)
+
+
+def test_user_level_sensitivity_is_what_the_event_claims():
     rng = np.random.default_rng(1)
     features = rng.normal(size=(60, 8))
     users = np.repeat(np.arange(6), 10)
     features[users == 2] = rng.normal(size=8) * 100  # a user with ten identical rows
     keep = users != 2
-    full = _released_sum(DPFeatureNormalization(seed=4), features, user_ids=users)
-    less = _released_sum(DPFeatureNormalization(seed=4), features[keep], user_ids=users[keep])
-    assert np.linalg.norm(full - less) == pytest.approx(1.0, abs=1e-5)
+    full = _release(DPFeatureNormalization(seed=4), features, user_ids=users)
+    less = _release(DPFeatureNormalization(seed=4), features[keep], user_ids=users[keep])
+    moved = np.linalg.norm(full - less) / MEAN_NOISE_MULTIPLIER
+    assert moved == pytest.approx(release_sensitivity() / MEAN_NOISE_MULTIPLIER, rel=1e-6)
+    assert moved <= _claimed_bound(DPFeatureNormalization()) * (1 + 1e-9)
 
 
 def test_outputs_have_the_norm_and_are_per_example():
@@ -74,7 +129,7 @@ def test_outputs_have_the_norm_and_are_per_example():
 def test_every_release_is_an_event_and_epsilon_matches_dp_accounting():
     layer = DPFeatureNormalization(noise_multiplier=4.0, seed=0)
     planned = layer.dp_event()  # before adapt: the release it will make
-    assert planned == dp_accounting.GaussianDpEvent(4.0)
+    assert planned == dp_accounting.GaussianDpEvent(4.0 / np.sqrt(1 + COUNT_NOISE_SCALE**-2))
     features = np.random.default_rng(0).normal(size=(100, 4))
     layer.adapt(features)
     assert layer.num_releases == 1 and layer.dp_event() == planned
@@ -84,7 +139,7 @@ def test_every_release_is_an_event_and_epsilon_matches_dp_accounting():
     assert not np.allclose(first, layer.mean.numpy())  # a fresh noise stream
     direct = dp_accounting.pld.PLDAccountant(
         value_discretization_interval=1e-4)
-    direct.compose(dp_accounting.GaussianDpEvent(4.0), 2)
+    direct.compose(dp_accounting.GaussianDpEvent(4.0 / np.sqrt(1 + 1 / 16)), 2)
     assert compose_epsilon([layer.dp_event()], 1e-6) == pytest.approx(
         direct.get_epsilon(1e-6), rel=1e-3)
 
@@ -108,7 +163,7 @@ def test_the_recipe_accountant_composes_the_mean_with_training():
     report = accountant.report()
     rows = [row for row in ledger.rows() if row[3]]
     direct = compose_epsilon(ledger_events(rows, len(y)) + [dp_accounting.GaussianDpEvent(
-        norm.noise_multiplier)], report["total_delta"])
+        norm.noise_multiplier / np.sqrt(1 + 1 / 16))], report["total_delta"])
     assert report["total_epsilon"] == pytest.approx(direct, rel=1e-3)
     assert report["total_epsilon"] > accountant.epsilon
     assert report["total_epsilon"] <= 3.0

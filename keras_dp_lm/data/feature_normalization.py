@@ -8,6 +8,19 @@ direction instead of the encoder's common one, and no example's gradient is
 cut more than another's. Centring needs the mean of the private features,
 so the mean is released with the Gaussian mechanism and counted
 (:meth:`DPFeatureNormalization.dp_event`).
+
+The release and its guarantee (add/remove one privacy unit, the package's one
+adjacency). ``adapt`` releases two noised statistics of the private rows and
+nothing else: the sum ``S`` of their unit vectors plus ``N(0, sigma^2 I)``,
+and their number ``n`` plus ``N(0, (k sigma)^2)`` with
+``k = COUNT_NOISE_SCALE``. Adding or removing one unit moves ``S`` by one
+vector of norm at most 1 and ``n`` by exactly 1, so the pair ``(S, n / k)``,
+noised with std ``sigma`` on every coordinate, is one Gaussian mechanism of L2
+sensitivity ``sqrt(1 + 1 / k^2)``: ``GaussianDpEvent(sigma / sqrt(1 + 1 /
+k^2))``. The mean is ``noisy S / max(noisy n, 1)``, post-processing of the
+release: no divisor is computed from the private data. (Dividing the noised
+sum by the true ``n`` instead would move the released mean by up to twice the
+sum's sensitivity under add/remove, and its noise scale with the data too.)
 """
 
 import dp_accounting
@@ -20,11 +33,22 @@ from keras_dp_lm.accounting._arguments import check_noise
 # all-MiniLM-L6-v2's mean-pooled features have norms of 3.7-3.8 on the utility
 # suite's tasks.
 HEAD_FEATURE_NORM = 4.0
-# Noise multiplier of the mean: sensitivity 1 (one example's unit vector), so the
-# released mean's noise is 5 / N per coordinate; about epsilon 1 alone at delta
-# 1e-6, far less once composed with DP-SGD (PLD).
+# Noise std on the sum of unit vectors (sensitivity 1): the released mean's noise
+# is about 5 / N per coordinate. About epsilon 0.9 alone at delta 1e-6 with the
+# count (below), far less once composed with DP-SGD (PLD).
 MEAN_NOISE_MULTIPLIER = 5.0
+# The count's noise std is COUNT_NOISE_SCALE times the sum's: std 20 with the
+# default (2% of the mean's scale at N = 1,000), for a joint sensitivity of
+# sqrt(1 + 1 / 16) = 1.031 instead of 1.
+COUNT_NOISE_SCALE = 4.0
 PRIVACY_UNITS = ("example", "user")
+
+
+def release_sensitivity():
+    """L2 sensitivity of the released pair ``(sum of unit vectors, count /
+    COUNT_NOISE_SCALE)`` under adding or removing one privacy unit, each
+    coordinate noised with the same std."""
+    return float(np.sqrt(1.0 + COUNT_NOISE_SCALE ** -2))
 
 
 def _unit_rows(x):
@@ -37,22 +61,29 @@ class DPFeatureNormalization(keras.layers.Layer):
 
     ``call(x)`` returns ``norm * unit(unit(x) - mean)`` per example (``unit``
     divides a vector by its L2 norm), where ``mean`` is the DP mean of the
-    training examples' unit vectors, released once per :meth:`adapt`:
-    the sum of the unit vectors (L2 sensitivity 1 under adding or removing
-    one example) plus Gaussian noise of std ``noise_multiplier`` per
-    coordinate, divided by the number of privacy units N (public, as the
-    dataset size is everywhere in keras_dp_lm). Each example's output
-    depends on that example and the released mean only, so the layer can sit
-    in a model trained with a DP optimizer.
+    training examples' unit vectors, released once per :meth:`adapt`: the
+    sum of the unit vectors plus Gaussian noise of std ``noise_multiplier``
+    per coordinate, divided by the number of privacy units plus Gaussian
+    noise of std ``COUNT_NOISE_SCALE * noise_multiplier`` (at least 1). The
+    pair moves by at most ``sqrt(1 + 1 / COUNT_NOISE_SCALE**2)`` in noise
+    units when one unit is added or removed (module docstring), so one
+    release is ``GaussianDpEvent(noise_multiplier /
+    release_sensitivity())``; nothing divides by the private count itself.
+    Each example's output depends on that example and the released mean
+    only, so the layer can sit in a model trained with a DP optimizer.
+    After ``adapt``, ``released_sum`` and ``released_count`` hold this
+    process's last release (not saved).
 
     Privacy unit: one row of ``features``, or one user with ``user_ids``
     (each user's rows are averaged first, so a user also moves the sum by at
     most 1); :attr:`privacy_unit` keeps it, and ``PrivacyAccountant`` refuses
     to train a model holding this layer with the other unit, or without the
     layer's current :meth:`dp_event` among its ``extra_events``. The
-    accountant sees the layer only inside the trained model: used as a
-    preprocessing step outside it, pass its event yourself. Releasing the
-    mean also releases N.
+    accountant sees the layer only inside the trained model, as a layer of it
+    or of a nested model or custom layer; called where the model cannot list
+    it (inside a ``keras.layers.Lambda``, or a global layer called from a
+    custom ``call``) it is refused when the DP step is traced. Used as a
+    preprocessing step outside the model, pass its event yourself.
 
     Every ``adapt`` is one more release, counted in ``num_releases`` (saved
     with the layer) and in :meth:`dp_event`; before the first ``adapt`` the
@@ -65,7 +96,8 @@ class DPFeatureNormalization(keras.layers.Layer):
         norm: the norm of every output vector. The default suits the head
             rule of :func:`keras_dp_lm.recipes.suggest_recipe`
             (``trainable="head"``), whose rate was tuned on features of norm ~4.
-        noise_multiplier: std of the noise on the sum of unit vectors (> 0).
+        noise_multiplier: std of the noise on the sum of unit vectors (> 0);
+            the count's is ``COUNT_NOISE_SCALE`` times larger.
         seed: seed of the noise (``None``: OS entropy); release ``i`` draws
             from the stream ``(seed, i)``. For tests only: two layers with the
             same seed on neighbouring data draw the same noise, which voids
@@ -114,6 +146,7 @@ class DPFeatureNormalization(keras.layers.Layer):
         self.privacy_unit = privacy_unit
         self._has_mean = False  # set by adapt or by loading saved weights
         self.mean = None
+        self.released_sum = self.released_count = None  # the last adapt's release
 
     def build(self, input_shape):
         self.mean = self.add_weight(shape=(int(input_shape[-1]),), initializer="zeros",
@@ -166,7 +199,10 @@ class DPFeatureNormalization(keras.layers.Layer):
         self.privacy_unit = unit
         self.releases.assign(self.num_releases)
         noisy_sum = units.sum(0) + rng.normal(0.0, self.noise_multiplier, x.shape[1])
-        self.mean.assign((noisy_sum / len(units)).astype(self.mean.dtype))
+        noisy_count = len(units) + rng.normal(0.0, COUNT_NOISE_SCALE * self.noise_multiplier)
+        self.released_sum, self.released_count = noisy_sum, float(noisy_count)
+        # Post-processing of the release: the divisor is the noised count.
+        self.mean.assign((noisy_sum / max(noisy_count, 1.0)).astype(self.mean.dtype))
         self._has_mean = True
 
     def _release_seed(self, index):
@@ -192,8 +228,9 @@ class DPFeatureNormalization(keras.layers.Layer):
 
     def dp_event(self):
         """The ``dp_accounting`` event of every release (the planned one before
-        the first ``adapt``): ``GaussianDpEvent(noise_multiplier)`` per release."""
-        one = dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        the first ``adapt``): ``GaussianDpEvent(noise_multiplier /
+        release_sensitivity())`` per release (the noised sum and count)."""
+        one = dp_accounting.GaussianDpEvent(self.noise_multiplier / release_sensitivity())
         count = max(self.num_releases, 1)
         return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
 
