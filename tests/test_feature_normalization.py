@@ -355,3 +355,40 @@ def test_one_event_accounts_for_one_layer_only():
         else:
             fit()
             assert ledger_of(head).updates == recipe.steps
+
+
+class _CallsAGlobalLayer(keras.layers.Layer):
+    """A custom layer calling a release layer it does not hold (a global)."""
+
+    def __init__(self, outside, **kwargs):
+        super().__init__(**kwargs)
+        self._outside = lambda: outside  # a closure: Keras does not track it
+
+    def call(self, x):
+        return self._outside()(x)
+
+
+@pytest.mark.parametrize("hidden_in", ["lambda", "custom_call"])
+def test_a_release_the_model_does_not_list_is_refused_before_any_update(hidden_in):
+    """Audit F4: a DPFeatureNormalization called from a Lambda (or from a custom
+    layer that does not hold it) was invisible to the accountant, whose total
+    then left its release out. The DP step refuses it when traced."""
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(200, 4)).astype("float32"), rng.integers(0, 2, 200)
+    norm = DPFeatureNormalization(seed=0)
+    norm.adapt(x)
+    hiding = (keras.layers.Lambda(lambda t: norm(t)) if hidden_in == "lambda"
+              else _CallsAGlobalLayer(norm))
+    recipe = suggest_recipe(len(y), 3.0, 1e-6, epochs=5, min_steps=5, trainable="head",
+                            extra_events=[norm.dp_event()])
+    head = keras.Sequential([keras.Input((4,)), hiding, keras.layers.Dense(2)])
+    head.compile(optimizer=recipe.optimizer(seed=0),
+                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = recipe.poisson_batches((x, y), seed=0)
+    with pytest.raises(PrivacyRefusalError, match=r"does not list it among its layers.*"
+                       r"keras.layers.Lambda"):
+        head.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
+                 verbose=0)
+    assert ledger_of(head).updates == 0  # refused before any update

@@ -23,6 +23,9 @@ sum by the true ``n`` instead would move the released mean by up to twice the
 sum's sensitivity under add/remove, and its noise scale with the data too.)
 """
 
+import contextlib
+import threading
+
 import dp_accounting
 import keras
 import numpy as np
@@ -42,6 +45,37 @@ MEAN_NOISE_MULTIPLIER = 5.0
 # sqrt(1 + 1 / 16) = 1.031 instead of 1.
 COUNT_NOISE_SCALE = 4.0
 PRIVACY_UNITS = ("example", "user")
+
+
+_CALLS = threading.local()
+
+
+@contextlib.contextmanager
+def recording_release_calls():
+    """Collect the :class:`DPFeatureNormalization` layers called inside the block.
+
+    The DP train step traces the model's forward pass in this block and refuses
+    a release layer the model does not list among its layers (called from a
+    ``keras.layers.Lambda``, or a global layer called from a custom ``call``):
+    the accountant, which finds release layers by walking the model, would
+    leave its release out of the total.
+
+    Example:
+        >>> import numpy as np
+        >>> layer = DPFeatureNormalization(seed=0)
+        >>> layer.adapt(np.eye(3) + 1.0)
+        >>> with recording_release_calls() as called:
+        ...     _ = layer(np.ones((1, 3), "float32"))
+        >>> called == [layer]
+        True
+    """
+    collectors = _CALLS.__dict__.setdefault("collectors", [])
+    called = []
+    collectors.append(called)
+    try:
+        yield called
+    finally:
+        collectors.remove(called)
 
 
 def release_sensitivity():
@@ -211,6 +245,9 @@ class DPFeatureNormalization(keras.layers.Layer):
         return np.random.SeedSequence(self.seed, spawn_key=(index,))
 
     def call(self, inputs):
+        for called in getattr(_CALLS, "collectors", ()):
+            if all(layer is not self for layer in called):
+                called.append(self)
         if not self._has_mean:
             raise ValueError("DPFeatureNormalization has no mean yet: call `adapt(features)` "
                              "on the training features first (or load saved weights).")

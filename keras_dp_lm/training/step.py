@@ -54,6 +54,7 @@ from keras_dp_lm.training.losses import regularization_loss
 from keras_dp_lm.training.probing import _MIXING_REFUSED
 from keras_dp_lm.training.probing import _probe_engine
 from keras_dp_lm.optimizers import is_dp_optimizer
+from keras_dp_lm.data.feature_normalization import recording_release_calls
 from keras_dp_lm.errors import PrivacyRefusalError
 
 ClippedBatch = collections.namedtuple("ClippedBatch",
@@ -263,9 +264,10 @@ def dp_train_step(model, data):
             model, _probe_losses(model), (x, y, sample_weight), mask,
             rows=_micro_batch_rows(model, mask, per_user), engine=_probe_engine(model))
     refuse_mixing = tf.debugging.Assert(independent, [_MIXING_REFUSED])
-    with tf.control_dependencies([refuse_mixing]):
+    with tf.control_dependencies([refuse_mixing]), recording_release_calls() as called:
         result = _clipping_core(model)(model, (x, y, sample_weight), mask, True,
                                        per_user or 1)
+    _refuse_unlisted_releases(model, called)
     # Real units: examples, or users (a user with any real slot) in a user batch.
     local_size = tf.reduce_sum(
         clipping_module.user_slot_mask(result.mask, per_user or 1))
@@ -318,6 +320,27 @@ def dp_train_step(model, data):
         # which fails on scalars: hand it rank-1 values, it returns scalars.
         logs = {name: tf.reshape(value, [1]) for name, value in logs.items()}
     return logs
+
+
+def _refuse_unlisted_releases(model, called):
+    """Refuse, while the step is traced (before any update), a release layer
+    (``DPFeatureNormalization``) that the forward pass called but the model does
+    not list among its layers: inside a ``keras.layers.Lambda``, or a layer held
+    outside the model and called from a custom ``call``. The accountant finds
+    release layers by walking the model, so it would leave that release out of
+    the total it prints."""
+    listed = internals.flatten_layers(model, include_self=True)
+    unlisted = [layer for layer in called if all(layer is not seen for seen in listed)]
+    if unlisted:
+        names = ", ".join(repr(layer.name) for layer in unlisted)
+        raise PrivacyRefusalError(
+            f"keras_dp_lm refused the DP step: the forward pass calls {names} "
+            "(DPFeatureNormalization, a release of the training data's mean) but the "
+            "model does not list it among its layers, so the PrivacyAccountant "
+            "cannot find it and would leave its release out of the total epsilon. "
+            "Use the layer as a layer of the model (keras.Sequential / the functional "
+            "API / an attribute of a custom layer), not inside a keras.layers.Lambda "
+            "or from a variable outside the model. Refused before any update.")
 
 
 def _refuse_validation_names(logs):
