@@ -1,7 +1,7 @@
 """Releases that layers of the trained model made about its training data
 (``DPFeatureNormalization``'s DP mean) must be in the accountant's total."""
 
-from keras_dp_lm.data.feature_normalization import DPFeatureNormalization
+from keras_dp_lm.data.feature_normalization import is_release_layer
 from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.training.keras_internals import flatten_layers
 
@@ -17,7 +17,7 @@ def check_feature_releases(model, extra_events, unit, applied=0):
     accounted = list(extra_events)
     pending = False
     for layer in flatten_layers(model, include_self=False):
-        if not isinstance(layer, DPFeatureNormalization) or not layer.num_releases:
+        if not is_release_layer(layer) or not layer.num_releases:
             continue
         if unit is None:
             pending = True

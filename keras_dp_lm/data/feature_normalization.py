@@ -78,6 +78,12 @@ def recording_release_calls():
         collectors.remove(called)
 
 
+def is_release_layer(layer):
+    """Whether ``layer`` is a :class:`DPFeatureNormalization` (by a class marker:
+    one made before an ``importlib.reload`` of this module still counts)."""
+    return getattr(type(layer), "_keras_dp_lm_release_layer", False) is True
+
+
 def release_sensitivity():
     """L2 sensitivity of the released pair ``(sum of unit vectors, count /
     COUNT_NOISE_SCALE)`` under adding or removing one privacy unit, each
@@ -154,6 +160,8 @@ class DPFeatureNormalization(keras.layers.Layer):
         True
         >>> head = keras.Sequential([keras.Input((8,)), norm, keras.layers.Dense(2)])
     """
+
+    _keras_dp_lm_release_layer = True  # what is_release_layer reads (reload-proof)
 
     def __init__(self, norm=HEAD_FEATURE_NORM, noise_multiplier=MEAN_NOISE_MULTIPLIER,
                  seed=None, num_releases=0, privacy_unit="example", **kwargs):

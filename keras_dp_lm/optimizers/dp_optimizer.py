@@ -64,7 +64,7 @@ def _check_positive_int(name, value):
 
 
 def _check_inner(optimizer):
-    if isinstance(optimizer, DPOptimizer):
+    if is_dp_optimizer(optimizer):
         raise ValueError("The optimizer is already a DP optimizer.")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(
@@ -154,6 +154,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         >>> int(model.optimizer.dp_updates.numpy()), type(opt.inner_optimizer).__name__
         (2, 'Lion')
     """
+
+    _keras_dp_lm_dp_optimizer = True  # what is_dp_optimizer reads (reload-proof)
 
     is_dp_optimizer = True
 
@@ -380,7 +382,10 @@ def is_dp_optimizer(optimizer):
         >>> is_dp_optimizer(keras.optimizers.Adam())
         False
     """
-    return isinstance(optimizer, DPOptimizer)
+    # By a class marker, not isinstance: after importlib.reload of this module
+    # (a notebook's autoreload) DPOptimizer is a new class, and an optimizer
+    # made before must still be bound to the DP step, never to Keras's own.
+    return getattr(type(optimizer), "_keras_dp_lm_dp_optimizer", False) is True
 
 
 def make_dp_optimizer(optimizer, l2_norm_clip, noise_multiplier,

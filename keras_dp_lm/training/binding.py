@@ -122,7 +122,17 @@ def _dp_make_train_function(model):
     return make_train_function
 
 
-_original_compile = internals.Trainer.compile
+def _keras_compile():
+    """Keras's own ``Trainer.compile``, also when this module is reloaded after
+    :func:`install` patched it (a notebook's autoreload): the patched method is
+    unwrapped, never wrapped again (which recursed without end)."""
+    compile_ = internals.Trainer.compile
+    while getattr(compile_, "_keras_dp_lm_binding", False):
+        compile_ = compile_.__wrapped__
+    return compile_
+
+
+_original_compile = _keras_compile()
 
 
 @functools.wraps(_original_compile)
@@ -171,6 +181,9 @@ def _compile_with_dp_binding(self, *args, **kwargs):
         if any_dp_trained():  # it may hold DP-trained weights now or later
             guard(self)
     fit_guards.forget_permission(self)
+
+
+_compile_with_dp_binding._keras_dp_lm_binding = True
 
 
 def _symbolic_build_distributed_safe(self, iterator=None, data_batch=None):
@@ -223,7 +236,10 @@ def _unbuilt_dp_model(model):
 def is_bound_to_dp_step(model):
     """Whether ``model`` was compiled for DP (its ``train_step`` is the DP step)."""
     bound = model.__dict__.get("train_step")
-    return isinstance(bound, types.MethodType) and bound.__func__ is dp_train_step
+    # By a marker, not identity: a model compiled before an importlib.reload of
+    # keras_dp_lm.training.step holds the step of the module's earlier run.
+    return isinstance(bound, types.MethodType) and getattr(
+        bound.__func__, "_keras_dp_lm_dp_step", False) is True
 
 
 # -- the guards: instance attributes of a DP model, or of a model holding

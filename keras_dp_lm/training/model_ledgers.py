@@ -66,7 +66,10 @@ def ledger_of(model, create=True):
 # model -> its ledger. Not an attribute of the model: Keras saving walks a
 # model's attributes, and a ledger reachable at a second path would be loaded
 # twice, the second (empty) path clearing a refusal of the first.
-_LEDGERS = weakref.WeakKeyDictionary()
+# Kept across importlib.reload (autoreload): a fresh one would hand every model
+# an empty ledger, and the accountant would count from zero.
+if "_LEDGERS" not in globals():
+    _LEDGERS = weakref.WeakKeyDictionary()
 
 
 def sharing_ledgers(model):

@@ -322,6 +322,9 @@ def dp_train_step(model, data):
     return logs
 
 
+dp_train_step._keras_dp_lm_dp_step = True  # what binding.is_bound_to_dp_step reads
+
+
 def _refuse_unlisted_releases(model, called):
     """Refuse, while the step is traced (before any update), a release layer
     (``DPFeatureNormalization``) that the forward pass called but the model does

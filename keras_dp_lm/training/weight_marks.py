@@ -31,8 +31,12 @@ def marking_ledgers(model):
     return list(found.values())
 
 
-_MODELS = weakref.WeakSet()  # models compiled, or whose ledger was read (registered)
-_REGISTERED = [0]  # how many models have registered so far
+# Process state survives importlib.reload (a notebook's autoreload re-runs this
+# file in the same namespace): a fresh value would forget every registered model
+# and every DP-trained weight, and so clear the refusals that depend on them.
+if "_MODELS" not in globals():
+    _MODELS = weakref.WeakSet()  # models compiled, or whose ledger was read (registered)
+    _REGISTERED = [0]  # how many models have registered so far
 
 
 def register_model(model):
@@ -60,7 +64,8 @@ def models_registered():
 
 
 _DP_TRAINED = "_keras_dp_lm_dp_trained"
-_ANY_MARKED = [False]  # set once any variable in this process is marked
+if "_ANY_MARKED" not in globals():  # kept across a reload, as _MODELS is
+    _ANY_MARKED = [False]  # set once any variable in this process is marked
 
 
 def mark_dp_trained(variables, ledger):
