@@ -24,6 +24,8 @@ $(DATA)/.fetched: $(VENV)/.installed demo/fetch_corpora.py
 
 data: $(DATA)/.fetched
 
+# `make demo`: the quick configuration (every privacy step, smaller; a few minutes).
+# `make demo FULL=1`: the full configuration, the one the README's results quote.
 # `make demo MODEL=smollm2`: DP LoRA of the pretrained SmolLM2-135M instead (about 25 min).
 # `make demo UNIT=speaker`: user-level DP, each speaker of the plays one privacy unit.
 demo: install data
@@ -31,7 +33,8 @@ ifeq ($(MODEL),smollm2)
 	mkdir -p demo_output
 	$(PY) examples/smollm2_dp_lora.py --data-dir $(DATA) --output demo_output/smollm2_dp_lora.json
 else
-	$(PY) demo/run.py --data-dir $(DATA) --output-dir demo_output $(if $(UNIT),--privacy-unit $(UNIT))
+	$(PY) demo/run.py --data-dir $(DATA) --output-dir demo_output $(if $(FULL),--full) \
+		$(if $(UNIT),--privacy-unit $(UNIT))
 endif
 
 # The full suite: tests/ and every docstring example in the package, on two worker

