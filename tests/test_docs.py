@@ -83,8 +83,36 @@ def test_site_builds_offline_in_strict_mode(tmp_path):
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
          str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "site" / "api" / "tuning" / "index.html").exists()
-    assert "private_search" in (tmp_path / "site" / "api" / "tuning" / "index.html").read_text()
+    site = tmp_path / "site"
+    # use_directory_urls: false, so a site opened from disk lands on pages, not folders
+    assert (site / "api" / "tuning.html").exists()
+    assert not (site / "api" / "tuning").exists()
+    assert "private_search" in (site / "api" / "tuning.html").read_text()
+    assert 'href="guides/getting-started.html"' in (site / "index.html").read_text()
+    # No API entry shows a Python builtin's docstring (a constant's or field's type's)
+    pages = sorted((site / "api").glob("*.html"))
+    assert len(pages) == len(list((DOCS / "api").glob("*.md")))
+    found = {str(page.relative_to(site)): text for page in pages
+             for text in BUILTIN_DOC_TEXTS if text in page.read_text()}
+    assert found == {}
+    # Each DP optimizer convenience lists its arguments; constants are documented
+    optimizers = (site / "api" / "optimizers.html").read_text()
+    dpadam = optimizers[optimizers.index('id="keras_dp_lm.optimizers.DPAdam"'):
+                        optimizers.index('id="keras_dp_lm.optimizers.DPAdamBC"')]
+    for argument in ("l2_norm_clip", "noise_multiplier", "gradient_accumulation_steps",
+                     "inner_optimizer", "suggest_recipe"):
+        assert argument in dpadam, argument
+    assert "The values of <code>DPOptimizer(clipping=...)</code>" in optimizers
+
+
+# The first line of Python builtins' docstrings, as a page would show them (HTML-escaped).
+BUILTIN_DOC_TEXTS = ("Create a new string object", "Built-in immutable sequence",
+                     "int([x]) -&gt; integer", "int([x]) -> integer",
+                     "Convert a string or number to a floating point number",
+                     "bool(x) -&gt; bool", "Returns True when the argument is true",
+                     "Built-in mutable sequence", "dict() -&gt; new empty dictionary",
+                     "Build an unordered collection of unique elements",
+                     "Create and return a new object")
 
 
 # ---------------------------------------------------------------- the pages' code

@@ -370,14 +370,26 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         limit = self.max_steps
         spe = self._config["steps_per_execution"]
         if limit is not None and count + spe > limit:
-            more = "" if spe == 1 else (
-                f" ({limit - count} remain, fewer than steps_per_execution={spe}; "
-                "compile with steps_per_execution=1 to use them)")
+            spent = self.epsilon
+            target = f"target_epsilon={self.target_epsilon:g} (delta={self.delta:g})"
+            if spent > self.target_epsilon:  # the ledger alone is over the target
+                status = (f", which already spend epsilon {spent:.3g}, more than {target}: "
+                          "it allows no further update")
+                larger = f"above {spent:.3g} (the cost of what is already applied)"
+            else:
+                status = (f" (epsilon {spent:.3g} so far) and {target} allows {limit} in "
+                          "total" + (": none remains" if limit <= count else
+                                     f" ({limit - count} remain, fewer than "
+                                     f"steps_per_execution={spe}: compile with "
+                                     "steps_per_execution=1 to use them)"))
+                larger = "larger than this one"
             raise PrivacyBudgetExhaustedError(
-                f"Privacy budget exhausted: the model has applied {count} noised "
-                f"updates and target_epsilon={self.target_epsilon:g} (delta="
-                f"{self.delta:g}) allows {limit}{more}. Training more would exceed "
-                "the target.")
+                f"Privacy budget exhausted: the model has applied {count} noised updates"
+                f"{status}. The target bounds every update in the model's privacy ledger, "
+                "those of earlier fits and saved files included. To train further, give "
+                f"the accountant a target_epsilon {larger}, chosen before looking at the "
+                "results, or start again from weights that have not seen the private "
+                "data (an empty ledger).")
 
     def _register_limits(self):
         config = self._config
