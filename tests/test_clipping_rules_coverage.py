@@ -281,3 +281,120 @@ def test_masked_lm_head_with_an_unregistered_embedding_is_exact():
     assert "inside another covered layer" in fc.exact_reason(
         model, head._intermediate_dense.kernel)
     assert fc.exact_reason(model, model.get_layer("pre").kernel) == ""
+
+
+# ---------------------------------------------------------------------------
+# The RMS norms of single KerasHub families (source-checked rule)
+
+
+_FAMILY_NORMS = ["Gemma3RMSNormalization", "MistralLayerNormalization",
+                 "MixtralLayerNormalization", "QwenLayerNorm", "QwenMoeLayerNorm",
+                 "Qwen3LayerNorm", "Qwen3MoeLayerNorm", "Phi3LayerNorm",
+                 "GptOssLayerNormalization", "T5LayerNorm"]
+
+
+def _family_norm(name, **kwargs):
+    from keras_dp_lm.training.keras_internals import keras_hub_layer
+    layer_class = keras_hub_layer(name)
+    assert layer_class is not None, f"KerasHub no longer has {name}"
+    return layer_class(epsilon=0.5, **kwargs)   # large: the rule must use the layer's own
+
+
+def _norm_model(norm, shape=(5, 6)):
+    """Dense -> norm -> Dense, the norm's scale moved off its initial value."""
+    rng = np.random.default_rng(29)
+    inp = keras.Input(shape)
+    h = keras.layers.Dense(shape[-1], name="pre")(inp)
+    h = norm(h)
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+    for v in norm.trainable_variables:
+        v.assign(v + rng.normal(scale=0.4, size=v.shape).astype("float32"))
+    data = (tf.constant(rng.normal(size=(4,) + shape).astype("float32")),
+            tf.constant(rng.integers(0, 3, 4)))
+    return model, data
+
+
+@pytest.mark.parametrize("name", _FAMILY_NORMS)
+def test_family_rms_norm_matches_the_naive_loop(name):
+    norm = _family_norm(name)
+    model, data = _norm_model(norm)
+    loss_fn = classification_loss(model)
+    assert_matches(model, loss_fn, data, method="fast")
+    assert_matches(model, loss_fn, data, fn=GRAPH, method="fast")
+    coverage = _no_exact(model)
+    assert coverage[norm.trainable_variables[0].path] == "instantiate"
+
+
+@pytest.mark.parametrize("name", ["Qwen3LayerNorm", "Qwen3MoeLayerNorm"])
+def test_per_head_rms_norm_matches_the_naive_loop(name):
+    """Qwen3's query / key norm: a scale of head_dim on [B, T, heads, head_dim], under XLA too."""
+    norm = _family_norm(name, head_dim=4)
+    model, data = _norm_model(norm, shape=(5, 3, 4))
+    loss_fn = classification_loss(model)
+    assert_matches(model, loss_fn, data, method="fast")
+    assert_matches(model, loss_fn, data, fn=XLA, method="fast")
+    _no_exact(model)
+
+
+def test_family_rms_norm_with_another_call_is_exact():
+    """A class registered for the source-checked rule whose ``call`` computes
+    something else (here: another KerasHub version's, or a patched class) is
+    not matched: exact per-example gradients, and the result still matches."""
+    from keras_dp_lm.clipping import register_clipping_rule
+    from keras_dp_lm.clipping.registry import _rules
+    from keras_dp_lm.training.keras_internals import keras_hub_layer
+    from keras import ops
+
+    base = keras_hub_layer("MistralLayerNormalization")
+
+    class Shifted(base):
+        def call(self, x):
+            x = ops.cast(x, "float32")
+            var = ops.mean(ops.power(x, 2), axis=-1, keepdims=True)
+            x = x * ops.rsqrt(var + self.epsilon)
+            return ops.cast(x * self.scale + 0.1 * self.scale ** 2, self.compute_dtype)
+
+    register_clipping_rule(Shifted, _rules()[base])
+    try:
+        norm = Shifted(epsilon=0.5)
+        model, data = _norm_model(norm)
+        assert fc.clipping_coverage(model)[norm.scale.path] == "exact"
+        assert "the rule does not cover" in fc.exact_reason(model, norm.scale)
+        assert_matches(model, classification_loss(model), data, method="auto")
+    finally:
+        _rules().pop(Shifted, None)
+
+
+@pytest.mark.parametrize("build", ["mistral", "qwen2", "qwen3", "phi3", "gemma3"])
+def test_causal_lm_with_its_family_norm_is_fast(build):
+    """The whole task: every variable on fast rules, against the naive loop."""
+    rng = np.random.default_rng(30)
+    common = dict(vocabulary_size=40, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+                  hidden_dim=16, intermediate_dim=32, layer_norm_epsilon=0.5)
+    models = keras_hub.models
+    if build == "mistral":
+        lm = models.MistralCausalLM(models.MistralBackbone(**common, sliding_window=8),
+                                    preprocessor=None)
+    elif build == "qwen2":
+        lm = models.Qwen2CausalLM(models.QwenBackbone(**common), preprocessor=None)
+    elif build == "qwen3":
+        lm = models.Qwen3CausalLM(models.Qwen3Backbone(**common, head_dim=8), preprocessor=None)
+    elif build == "phi3":
+        common.pop("num_query_heads"), common.pop("num_key_value_heads")
+        lm = models.Phi3CausalLM(models.Phi3Backbone(**common, num_query_heads=2,
+                                                     num_key_value_heads=1,
+                                                     max_sequence_length=16), preprocessor=None)
+    else:
+        lm = models.Gemma3CausalLM(preprocessor=None, backbone=models.Gemma3Backbone(
+            **common, head_dim=8, image_size=16, vision_encoder=None))
+    for v in lm.trainable_variables:   # off their initial values (Gemma3's start at 0)
+        if v.path.endswith("scale"):
+            v.assign(v + rng.normal(scale=0.3, size=v.shape).astype("float32"))
+    ids, mask = padded_tokens(rng, 4, 9, 40)
+    data = (tf.constant(ids), tf.constant(mask))
+
+    def loss_fn(data):
+        return token_loss(lm, *data)
+
+    assert_matches(lm, loss_fn, data, method="fast")
+    _no_exact(lm)

@@ -111,3 +111,32 @@ def test_presets_carry_the_privacy_ledger(tmp_path):
     assert accountant.epsilon == pytest.approx(direct.get_epsilon(1e-3), rel=1e-3)
     backbone = keras_hub.models.Backbone.from_preset(str(tmp_path / "backbone"))
     assert kdp.ledger_of(backbone).updates == 8
+
+
+def test_enable_lora_that_finds_no_target_is_refused_at_compile():
+    """GPT-NeoX's attention is one fused `query_key_value` EinsumDense: the default
+    targets (query / value) match nothing, enable_lora freezes everything, and fit
+    failed inside Keras. Now compile refuses, naming the backbone's layers; the
+    suggested target trains."""
+    backbone = keras_hub.models.GPTNeoXBackbone(vocabulary_size=50, num_layers=1, num_heads=2,
+                                               hidden_dim=16, intermediate_dim=32,
+                                               max_sequence_length=16)
+    lm = keras_hub.models.GPTNeoXCausalLM(backbone=backbone, preprocessor=None)
+    backbone.enable_lora(4)
+    assert not lm.trainable_variables
+    with pytest.raises(kdp.PrivacyRefusalError,
+                       match=r"enable_lora\(4\) found no layer named query_dense.*"
+                             r"target_layer_names=\['query_key_value'"):
+        lm.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0))
+    backbone.enable_lora(4, target_layer_names=["query_key_value"])
+    lm.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0))
+    assert {v.path.split("/")[-1] for v in lm.trainable_variables} == {
+        "lora_kernel_a", "lora_kernel_b", "bias"}   # the LoRA layer's bias trains too
+
+
+def test_a_built_model_with_nothing_trainable_is_refused_at_compile():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.trainable = False
+    with pytest.raises(kdp.PrivacyRefusalError, match="no trainable variable"):
+        model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                      loss="mse")

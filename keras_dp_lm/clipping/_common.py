@@ -22,6 +22,15 @@ def value_or(value, default):
     return default if value is None else value
 
 
+def batch_and_length(t, T):
+    """The batch and length entries of a reshape of ``t`` (``[B, ...]``) to
+    ``[B, ..., T, ...]``: ``(-1, T)`` when ``T`` is static, else ``(B, -1)``
+    with ``B`` read from ``t``'s dynamic shape (a reshape takes one ``-1``:
+    a sequence length unknown when traced, as in T5's and DeBERTa's layers
+    under an unknown batch size, needs the batch size spelled out)."""
+    return (-1, T) if T is not None else (tf.shape(t)[0], -1)
+
+
 def _as_float(x):
     x = tf.convert_to_tensor(x)
     return x if x.dtype.is_floating else tf.cast(x, tf.float32)

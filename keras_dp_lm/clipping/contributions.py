@@ -12,6 +12,7 @@ This module is the internal interface between the rules and the engine
 import tensorflow as tf
 
 from keras_dp_lm.clipping._common import _weighted_sum
+from keras_dp_lm.clipping._common import batch_and_length
 from keras_dp_lm.clipping._common import product_of
 from keras_dp_lm.clipping._common import static_dim
 from keras_dp_lm.clipping._common import value_or
@@ -181,8 +182,9 @@ class Lookup:
 
     def prepare(self):
         g = tf.cast(tf.convert_to_tensor(self.call.g), tf.float32)
-        self.G = tf.reshape(g, [-1, value_or(self.T, -1), self.d])
-        self.ids = tf.reshape(tf.cast(self.ids_raw, tf.int32), [-1, value_or(self.T, -1)])
+        B, L = batch_and_length(g, self.T)
+        self.G = tf.reshape(g, [B, L, self.d])
+        self.ids = tf.reshape(tf.cast(self.ids_raw, tf.int32), [B, L])
         self.ids.set_shape(self.G.shape[:2])
 
     def regroup(self, k):

@@ -96,6 +96,30 @@ _LAST_DECISIONS = weakref.WeakKeyDictionary()
 _LAST_REASONS = weakref.WeakKeyDictionary()
 
 
+def _mark_unbatched_calls(rec, rows):
+    """Mark the variables of each covered layer call whose output's leading axis
+    is not the batch's (``rows``: the static number of rows, ``None`` when
+    unknown) for exact per-example gradients.
+
+    DeBERTa's attention calls its query and key projections on the relative
+    position embeddings too, a ``[1, ...]`` tensor that every example shares:
+    the gradient of that output is the sum over all examples, which no rule
+    can split per example. A rule reads axis 0 as the examples, so a call
+    whose static leading size differs from the batch's (or is static while the
+    batch's is not) is left to the exact engine. With a batch of one row every
+    gradient is that row's, and nothing is marked."""
+    for call in rec.calls:
+        lead = static_dim(call.z.shape[0]) if call.z.shape.rank else None
+        if lead is None or lead == rows:
+            continue
+        reason = (f"{type(call.layer).__name__} '{call.layer.name}' is called on a tensor "
+                  f"whose leading axis ({lead}) is not the batch's ({rows or 'unknown'}): "
+                  "an input shared by every example")
+        for c in rec.contribs:
+            if c.call is call:
+                rec.mark_bad(c.var, reason)
+
+
 def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None,
                      examples_per_user=1):
     """Per-example gradient norms and the sum of clipped per-example gradients.
@@ -160,6 +184,7 @@ def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mas
         total = tf.reduce_sum(losses)
 
     outside = {v.ref() for v in detect.watched_variables()}
+    _mark_unbatched_calls(rec, static_dim(losses.shape[0]) if losses.shape.rank else None)
 
     def read_outside(v):
         tv = tf_variable(v)

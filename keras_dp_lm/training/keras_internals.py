@@ -107,6 +107,16 @@ def flatten_layers(model, include_self=False):
     return list(model._flatten_layers(include_self=include_self, recursive=True))
 
 
+def keras_hub_lora_found_nothing(backbone):
+    """Whether ``backbone`` is a KerasHub backbone on which ``enable_lora(rank)``
+    ran (it froze every layer) and put adapters on none of them (no layer had
+    one of the target names). Reads the two attributes ``Backbone.enable_lora``
+    sets (KerasHub 0.29-0.32)."""
+    return (getattr(backbone, "_lora_rank", None) is not None
+            and not getattr(backbone, "_lora_enabled_layers", None)
+            and callable(getattr(backbone, "default_lora_layer_names", None)))
+
+
 def epoch_iterator_element_spec(iterator):
     """The element spec of the dataset a Keras ``TFEpochIterator`` reads, or
     None; read without iterating (a fresh iterator over a generator-backed
@@ -150,6 +160,24 @@ _KERAS_HUB_LAYERS = {
     "GemmaRMSNormalization": ("keras_hub.src.models.gemma.rms_normalization",
                               "RMSNormalization"),
     "MaskedLMHead": ("keras_hub.src.layers.modeling.masked_lm_head", "MaskedLMHead"),
+    # RMS norms of single model families; the clipping rule checks each one's
+    # `call` source against the forms it describes (normalization.py).
+    "Gemma3RMSNormalization": ("keras_hub.src.models.gemma3.gemma3_layers",
+                               "RMSNormalization"),
+    "MistralLayerNormalization": ("keras_hub.src.models.mistral.mistral_layer_norm",
+                                  "MistralLayerNormalization"),
+    "MixtralLayerNormalization": ("keras_hub.src.models.mixtral.mixtral_layer_norm",
+                                  "MixtralLayerNormalization"),
+    "QwenLayerNorm": ("keras_hub.src.models.qwen.qwen_layernorm", "QwenLayerNorm"),
+    "QwenMoeLayerNorm": ("keras_hub.src.models.qwen_moe.qwen_moe_layernorm",
+                         "QwenMoeLayerNorm"),
+    "Qwen3LayerNorm": ("keras_hub.src.models.qwen3.qwen3_layernorm", "Qwen3LayerNorm"),
+    "Qwen3MoeLayerNorm": ("keras_hub.src.models.qwen3_moe.qwen3_moe_layernorm",
+                          "Qwen3MoeLayerNorm"),
+    "Phi3LayerNorm": ("keras_hub.src.models.phi3.phi3_layernorm", "Phi3LayerNorm"),
+    "GptOssLayerNormalization": ("keras_hub.src.models.gpt_oss.gpt_oss_layer_norm",
+                                 "GptOssLayerNormalization"),
+    "T5LayerNorm": ("keras_hub.src.models.t5.t5_layer_norm", "T5LayerNorm"),
     "ReversibleEmbedding": ("keras_hub.src.layers.modeling.reversible_embedding",
                             "ReversibleEmbedding"),
 }

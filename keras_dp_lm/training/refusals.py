@@ -49,6 +49,7 @@ def _axes(axis):
 
 def check_model(model):
     """Raise ``ValueError`` if ``model`` has a layer the DP step cannot make private."""
+    _check_something_trains(model)
     for layer in internals.flatten_layers(model):
         name = f"Layer '{layer.name}' ({type(layer).__name__})"
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
@@ -77,6 +78,37 @@ def check_model(model):
                 f"{name} has an activity_regularizer: a loss on activations is "
                 "not part of any single example's loss under Keras's batch "
                 "reduction. Remove it (weight regularizers are fine).")
+
+
+def _check_something_trains(model):
+    """Refuse a built model with no trainable variable (before Keras fails on
+    it inside ``fit``); name LoRA targets when ``enable_lora`` found none."""
+    if not getattr(model, "built", False) or model.trainable_variables:
+        return
+    for layer in internals.flatten_layers(model, include_self=True):
+        if internals.keras_hub_lora_found_nothing(layer):
+            targets = []
+            for sub in internals.flatten_layers(layer):
+                if (hasattr(sub, "enable_lora") and sub.weights
+                        and not isinstance(sub, keras.layers.Embedding)
+                        and sub.name not in targets):
+                    targets.append(sub.name)
+            # attention projections first: the usual LoRA targets
+            targets.sort(key=lambda n: 0 if "query" in n or "qkv" in n else
+                         1 if "value" in n or "attention" in n else 2)
+            rank = getattr(layer, "_lora_rank", "rank")
+            raise PrivacyRefusalError(
+                f"{type(layer).__name__} '{layer.name}': enable_lora({rank}) found no layer "
+                f"named {', '.join(layer.default_lora_layer_names())}, so no layer has LoRA "
+                "adapters, and it froze every weight: the model has no trainable variable "
+                "and a DP step would train nothing. Pass the names of this backbone's "
+                f"Dense / EinsumDense layers to enable LoRA on, e.g. "
+                f"backbone.enable_lora({rank}, target_layer_names={targets[:2]!r}) "
+                f"(its layers: {', '.join(targets)}).")
+    raise PrivacyRefusalError(
+        f"Model '{model.name}' has no trainable variable: a DP step would train nothing "
+        "(and count privacy for it). Unfreeze the layers to train (layer.trainable = True, "
+        "or backbone.enable_lora(rank)) and compile again.")
 
 
 def _probe_rows(batch, mask, rows):

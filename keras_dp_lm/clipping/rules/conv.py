@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_dp_lm.clipping._common import batch_and_length
 from keras_dp_lm.clipping._common import inbound_shape
 from keras_dp_lm.clipping._common import value_or
 from keras_dp_lm.clipping._common import original_call
@@ -61,8 +62,9 @@ def _conv_contribution(layer, call, x, z, padding):
 
     def factors(g, x=x, z=z):
         P = _patches(layer, x, z, padding)
-        return (tf.reshape(P, [-1, 1, value_or(T, -1), m]),
-                tf.reshape(tf.cast(g, x.dtype), [-1, 1, value_or(T, -1), n]))
+        B, L = batch_and_length(P, T)
+        return (tf.reshape(P, [B, 1, L, m]),
+                tf.reshape(tf.cast(g, x.dtype), [B, 1, L, n]))
 
     def to_var(mat, batched):
         return tf.reshape(mat, ([-1] if batched else []) + kshape)

@@ -4,9 +4,9 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_dp_lm.clipping._common import batch_and_length
 from keras_dp_lm.clipping._common import inbound_shape
 from keras_dp_lm.clipping._common import lora_enabled
-from keras_dp_lm.clipping._common import value_or
 from keras_dp_lm.clipping._common import product_of
 from keras_dp_lm.clipping._common import reduce_to_shape
 from keras_dp_lm.clipping._common import static_dim
@@ -22,8 +22,9 @@ def _matmul_contribution(var, call, x):
     T = product_of([static_dim(s) for s in x.shape[1:-1]])
 
     def factors(g, x=x):
-        return (tf.reshape(x, [-1, 1, value_or(T, -1), din]),
-                tf.reshape(tf.cast(g, x.dtype), [-1, 1, value_or(T, -1), dout]))
+        B, L = batch_and_length(x, T)
+        return (tf.reshape(x, [B, 1, L, din]),
+                tf.reshape(tf.cast(g, x.dtype), [B, 1, L, dout]))
 
     def to_var(mat, batched):
         return tf.reshape(mat, ([-1] if batched else []) + [din, dout])

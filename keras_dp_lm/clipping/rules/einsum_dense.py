@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from keras_dp_lm.clipping._common import batch_and_length
 from keras_dp_lm.clipping._common import inbound_shape
 from keras_dp_lm.clipping._common import lora_enabled
 from keras_dp_lm.clipping._common import value_or
@@ -84,8 +85,8 @@ def _einsum_contribution(rec, var, call, x, equation):
         X = tf.einsum(xs, x) if xs.split("->")[0] != xs.split("->")[1] else x
         Y = tf.cast(g, x.dtype)
         Y = tf.einsum(ys, Y) if ys.split("->")[0] != ys.split("->")[1] else Y
-        return (tf.reshape(X, [-1, H, value_or(T, -1), m]),
-                tf.reshape(Y, [-1, H, value_or(T, -1), n]))
+        B, L = batch_and_length(X, T)
+        return tf.reshape(X, [B, H, L, m]), tf.reshape(Y, [B, H, L, n])
 
     def to_var(mat, batched):
         lead = [-1] if batched else []

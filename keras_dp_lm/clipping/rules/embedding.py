@@ -5,7 +5,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_dp_lm.clipping._common import lora_enabled
-from keras_dp_lm.clipping._common import value_or
+from keras_dp_lm.clipping._common import batch_and_length
 from keras_dp_lm.clipping._common import original_call
 from keras_dp_lm.clipping._common import product_of
 from keras_dp_lm.clipping._common import static_dim
@@ -100,8 +100,9 @@ class _EmbeddingRule:
 
             if layer.tie_weights:
                 def factors(g, x=x):
-                    return (tf.reshape(tf.cast(g, x.dtype), [-1, 1, value_or(T, -1), V]),
-                            tf.reshape(x, [-1, 1, value_or(T, -1), d]))
+                    B, L = batch_and_length(x, T)
+                    return (tf.reshape(tf.cast(g, x.dtype), [B, 1, L, V]),
+                            tf.reshape(x, [B, 1, L, d]))
 
                 def to_var(mat, batched):
                     return tf.reshape(mat, ([-1] if batched else []) + [V, d])
@@ -111,8 +112,9 @@ class _EmbeddingRule:
                                 rows=True))
             else:
                 def factors(g, x=x):
-                    return (tf.reshape(x, [-1, 1, value_or(T, -1), d]),
-                            tf.reshape(tf.cast(g, x.dtype), [-1, 1, value_or(T, -1), V]))
+                    B, L = batch_and_length(x, T)
+                    return (tf.reshape(x, [B, 1, L, d]),
+                            tf.reshape(tf.cast(g, x.dtype), [B, 1, L, V]))
 
                 def to_var(mat, batched):
                     return tf.reshape(mat, ([-1] if batched else []) + [d, V])

@@ -1,4 +1,10 @@
-"""Fast-clipping rules for Layer-, Group- and RMS normalization (Keras, KerasHub, Llama, Gemma)."""
+"""Fast-clipping rules for Layer-, Group- and RMS normalization (Keras, KerasHub, Llama,
+Gemma, and the RMS norms of Gemma3, Mistral, Mixtral, Qwen, Qwen3, Phi3, GPT-OSS, T5)."""
+
+import ast
+import functools
+import inspect
+import textwrap
 
 import keras
 import tensorflow as tf
@@ -186,6 +192,142 @@ if hasattr(keras.layers, "RMSNormalization"):
     register_clipping_rule(keras.layers.RMSNormalization)(_RMSNormRule)
 
 
+# The ``call`` bodies that _CheckedRMSNormRule describes, as KerasHub 0.32 writes
+# them. Each computes ``y = xhat * s`` with ``xhat = x * rsqrt(mean(x^2) + epsilon)``
+# over the last axis and ``s`` the layer's scale variable, or ``1 + scale``
+# (Gemma3): either way ``dy / dscale = xhat``, so the per-example gradient of
+# the scale is ``sum(g * xhat)`` over every axis but the last.
+_RMS_CALL_FORMS = {
+    # Mistral, Mixtral, Qwen (Qwen2), QwenMoe, Phi3, GPT-OSS
+    "scale": ("scale", '''
+def call(self, x):
+    x = ops.cast(x, "float32")
+    var = ops.mean(ops.power(x, 2), axis=-1, keepdims=True)
+    x = x * ops.rsqrt(var + self.epsilon)
+    return ops.cast(x * self.scale, self.compute_dtype)
+'''),
+    # Qwen3, Qwen3Moe (also used per head, on [..., head_dim])
+    "scale, input dtype": ("scale", '''
+def call(self, x):
+    input_dtype = x.dtype
+    x = ops.cast(x, "float32")
+    var = ops.mean(ops.power(x, 2), axis=-1, keepdims=True)
+    x = x * ops.rsqrt(var + self.epsilon)
+    return ops.cast(x * self.scale, input_dtype)
+'''),
+    # Gemma3 (the same as Gemma's): 1 + scale
+    "one plus scale": ("scale", '''
+def call(self, x):
+    x = ops.cast(x, "float32")
+    scale = ops.cast(self.scale, "float32")
+    var = ops.mean(ops.square(x), axis=-1, keepdims=True)
+    normed_inputs = x * ops.reciprocal(ops.sqrt(var + self.epsilon))
+    normed_inputs = normed_inputs * (1 + scale)
+    return ops.cast(normed_inputs, self.compute_dtype)
+'''),
+    # T5: in the input's dtype, variable `weight`
+    "weight": ("weight", '''
+def call(self, hidden_states):
+    variance = ops.mean(ops.square(hidden_states), axis=-1, keepdims=True)
+    hidden_states = hidden_states * ops.rsqrt(variance + self.epsilon)
+    return self.weight * hidden_states
+'''),
+}
+
+
+def _syntax(source):
+    """The syntax tree of one function's source, without its docstring, name
+    and decorators: equal for two sources that differ only in comments and
+    layout."""
+    node = ast.parse(textwrap.dedent(source)).body[0]
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(
+            getattr(body[0], "value", None), ast.Constant) and isinstance(
+            body[0].value.value, str):
+        body = body[1:]
+    node.body, node.name, node.decorator_list = body, "call", []
+    return ast.dump(node)
+
+
+_FORM_SYNTAX = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _call_form(call):
+    """The name of the form in ``_RMS_CALL_FORMS`` that the function ``call``
+    has, or None (its source unreadable, or any other computation)."""
+    if not _FORM_SYNTAX:
+        _FORM_SYNTAX.update({_syntax(src): name for name, (_, src) in _RMS_CALL_FORMS.items()})
+    try:
+        syntax = _syntax(inspect.getsource(call))
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    return _FORM_SYNTAX.get(syntax)
+
+
+class _CheckedRMSNormRule:
+    """The RMS norms of single KerasHub model families (Gemma3, Mistral, Mixtral,
+    Qwen, QwenMoe, Qwen3, Qwen3Moe, Phi3, GPT-OSS, T5): ``y = xhat * scale`` or
+    ``xhat * (1 + scale)``, ``xhat = x * rsqrt(mean(x^2) + epsilon)`` over the
+    last axis.
+
+    Each class is registered by name, and a layer is matched only while its
+    class's ``call`` is, as a syntax tree, one of the forms in
+    ``_RMS_CALL_FORMS`` (the ones read in KerasHub 0.32): a KerasHub version
+    that computes anything else there gets exact per-example gradients.
+    """
+
+    name = "RMSNorm (source-checked)"
+
+    @staticmethod
+    def _variable(layer):
+        form = _call_form(type(layer).call)
+        if form is None:
+            return None
+        var = getattr(layer, _RMS_CALL_FORMS[form][0], None)
+        return var if isinstance(var, keras.Variable) and var.shape.rank == 1 else None
+
+    @staticmethod
+    def matches(layer):
+        return _CheckedRMSNormRule._variable(layer) is not None
+
+    @staticmethod
+    def variables(layer):
+        return [_CheckedRMSNormRule._variable(layer)]
+
+    @staticmethod
+    def forward(layer, rec, inputs, *args, **kwargs):
+        y = original_call(layer)(inputs, *args, **kwargs)
+        call = rec.new_call(layer, y)
+        if call is not None:
+            x = tf.convert_to_tensor(inputs)
+            axes, eps = [x.shape.rank - 1], layer.epsilon
+            var = _CheckedRMSNormRule._variable(layer)
+            if x.shape.rank < 2 or x.shape[-1] != var.shape[0]:
+                rec.mark_bad(var, "normalises over the batch axis or a mismatched last axis")
+                return y
+
+            def xhat(x=x):
+                x32 = tf.cast(x, tf.float32) if x.dtype != tf.float64 else x
+                ms = tf.reduce_mean(tf.square(x32), axis=axes, keepdims=True)
+                return x32 * tf.math.rsqrt(ms + eps)
+
+            rec.add(PerExample(var, call, lambda g: _scale_grad(g, xhat(), axes)))
+        return y
+
+    @staticmethod
+    def static_method(layer, var, T, B):
+        return "instantiate"
+
+
+_CHECKED_RMS_NORMS = (
+    "Gemma3RMSNormalization", "MistralLayerNormalization", "MixtralLayerNormalization",
+    "QwenLayerNorm", "QwenMoeLayerNorm", "Qwen3LayerNorm", "Qwen3MoeLayerNorm",
+    "Phi3LayerNorm", "GptOssLayerNormalization", "T5LayerNorm")
+
+
 def register_keras_hub_rules(keras_hub_layer):
     """Register this module's rules for KerasHub's layer classes (``keras_hub_layer``:
     :func:`keras_dp_lm.training.keras_internals.keras_hub_layer`)."""
@@ -193,3 +335,7 @@ def register_keras_hub_rules(keras_hub_layer):
         layer_class = keras_hub_layer(name)
         if layer_class is not None:
             register_clipping_rule(layer_class)(_RMSNormRule)
+    for name in _CHECKED_RMS_NORMS:
+        layer_class = keras_hub_layer(name)
+        if layer_class is not None:
+            register_clipping_rule(layer_class)(_CheckedRMSNormRule)
