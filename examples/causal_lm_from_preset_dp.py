@@ -37,7 +37,8 @@ def main(argv=None):
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--l2-norm-clip", type=float, default=1.0)
     p.add_argument("--target-epsilon", type=float, default=3.0)
-    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--delta", type=float, default=1e-6,
+                   help="well below 1/N, as in the README and docs/guides/choosing-parameters.md")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--verbose", type=int, default=1)
