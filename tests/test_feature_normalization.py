@@ -392,3 +392,42 @@ def test_a_release_the_model_does_not_list_is_refused_before_any_update(hidden_i
         head.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
                  verbose=0)
     assert ledger_of(head).updates == 0  # refused before any update
+
+
+def test_the_quick_start_spends_at_most_what_it_asks_for_at_the_delta_it_asks_for():
+    """Audit F5 (and F1's consequence): the README's head path, N = 3,000, target
+    epsilon 3 at delta 1e-6. The accountant's total is printed at 1e-6 (less the
+    recipe's overflow reserve, which the report adds back), and dp_accounting
+    composing what was applied (the ledger's rows and the release's real
+    sensitivity, measured above) at 1e-6 agrees and is at most 3."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 1.0, (3000, 8)).astype("float32")
+    y = (x[:, 0] > 1.0).astype("int32")
+    norm = DPFeatureNormalization()
+    norm.adapt(x)
+    head = keras.Sequential([keras.Input((8,)), norm, keras.layers.Dense(2)])
+    recipe = suggest_recipe(len(y), target_epsilon=3.0, delta=1e-6, epochs=50.0,
+                            trainable="head", extra_events=[norm.dp_event()],
+                            num_parameters=18, num_classes=2)
+    batches = recipe.poisson_batches((x, y), seed=0)
+    head.compile(optimizer=recipe.optimizer(),
+                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    accountant = recipe.accountant(batches=batches, verbose=0)
+    head.fit(batches, epochs=1, callbacks=[accountant], verbose=0)
+    report = accountant.report()
+    assert ledger_of(head).updates == recipe.steps
+    assert report["total_delta"] <= 1e-6
+    assert report.get("delta_with_overflow", report["total_delta"]) <= 1e-6 * (1 + 1e-9)
+    printed = accountant.statement().split("The whole pipeline")[1]
+    assert float(printed.split("delta = ")[1].split(")")[0]) <= 1e-6
+    # independently: dp_accounting's PLD on the ledger's rows and the release, with
+    # the release's sensitivity as measured on neighbours (not the layer's claim)
+    (sigma, q, steps), = {(row[0], recipe.sampling_rate, row[3])
+                          for row in ledger_of(head).rows() if row[3]}
+    pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    pld.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
+                steps)
+    pld.compose(dp_accounting.GaussianDpEvent(MEAN_NOISE_MULTIPLIER / np.sqrt(1 + 1 / 16)))
+    direct = pld.get_epsilon(1e-6)
+    assert direct <= 3.0
+    assert report["total_epsilon"] == pytest.approx(direct, rel=2e-3)

@@ -37,6 +37,9 @@ def test_search_epsilon_is_dp_accounting_on_what_every_trial_applied():
         mean_trials=2.5, seed=3)
     assert built, "no trial ran"
     score_sigma = result.score_noise_multiplier
+    # the score divides by the public expected validation size (fraction * N),
+    # never by the split's real size, a count of private coins (audit, issue 49)
+    assert result.validation_size == pytest.approx(0.1 * len(y))
     assert score_sigma == tuning.search.default_score_noise(4.0, 1e-5, 2.5, 1.0,
                                                             result.validation_size)
     for _, model in built:  # each trial: the accounted updates, nothing else

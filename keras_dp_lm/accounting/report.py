@@ -47,9 +47,13 @@ def privacy_report(noise_multiplier, sampling_rate, steps, delta, *,
     ``steps * sampling_rate`` (expected passes over the data).
 
     The total composes training and every extra event in one accountant (PLD
-    when it supports them all, else RDP) at ``total_delta = sum_delta``:
-    ``delta`` for training and for each extra ``DpEvent``, plus each pair's own
-    delta. ``sum_epsilon`` is the simple sum of epsilons at those deltas.
+    when it supports them all, else RDP) at ``total_delta``: the ``delta`` you
+    asked for, plus the deltas of extra ``(epsilon, delta)`` pairs (a pair's
+    delta is spent whatever the rest). A ``DpEvent`` composed in the same
+    accountant adds no delta of its own: the total is the whole pipeline's
+    epsilon at the delta you gave. ``sum_epsilon`` is the simple sum of
+    epsilons, each event's at ``delta``, at ``sum_delta`` (``delta`` per
+    event plus the pairs' deltas), for comparison only.
 
     Example:
         >>> r = privacy_report(1.1, 0.01, 1000, 1e-5, extra_events=[(0.5, 1e-6)])
@@ -107,7 +111,8 @@ def privacy_report(noise_multiplier, sampling_rate, steps, delta, *,
     report["extras"] = extra_rows
     report["sum_epsilon"] = sum_eps
     report["sum_delta"] = sum_delta
-    report["total_delta"] = sum_delta
+    report["total_delta"] = delta + sum(float(event.delta) for event in extras
+                                        if isinstance(event, EpsilonDeltaDpEvent))
     report["total_accountant"] = accountant
     report["total_epsilon"] = eps[accountant]
     if extras:
@@ -117,8 +122,8 @@ def privacy_report(noise_multiplier, sampling_rate, steps, delta, *,
         name = pick_accountant([training] + extras, "pld")
         report["total_accountant"] = name
         report["total_epsilon"] = (
-            None if name is None or sum_delta >= 1
-            else compose_epsilon([training] + extras, sum_delta, name))
+            None if name is None or report["total_delta"] >= 1
+            else compose_epsilon([training] + extras, report["total_delta"], name))
 
     report["examples_per_user"] = examples_per_user
     report["user_level_epsilon"] = None

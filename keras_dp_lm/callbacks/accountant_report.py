@@ -102,8 +102,19 @@ def accountant_report(accountant):
         # from these batches (an over-count when earlier fits used others).
         eps = report["epsilon"]
         report["overflow_probability"] = overflow
-        report["delta_with_overflow"] = (
-            1.0 if not math.isfinite(eps) or eps > 700
-            else min(1.0, accountant.delta + (1.0 + math.exp(eps)) * overflow))
+        report["delta_with_overflow"] = _with_overflow(accountant.delta, eps, overflow)
+        if report.get("extras") and report["total_epsilon"] is not None:
+            # The whole pipeline's delta, the overflow included: what the user
+            # asked for when the recipe made the accountant (it reserved the share).
+            report["total_delta"] = _with_overflow(report["total_delta"],
+                                                   report["total_epsilon"], overflow)
     accountant._report_cache = (key, copy.deepcopy(report))
     return report
+
+
+def _with_overflow(delta, epsilon, overflow):
+    """``delta`` of an ``epsilon`` guarantee once a Poisson draw above the
+    padded cap (probability ``overflow`` over the run) is counted."""
+    if not math.isfinite(epsilon) or epsilon > 700:
+        return 1.0
+    return min(1.0, delta + (1.0 + math.exp(epsilon)) * overflow)

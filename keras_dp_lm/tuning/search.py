@@ -96,7 +96,9 @@ class SearchResult:
             later releases about the same data.
         noise_multiplier, sampling_rate, steps, l2_norm_clip: every trial's.
         mean_trials, shape: the distribution of the number of trials.
-        validation_size: the held-out private examples that scored the trials.
+        validation_size: the expected number of held-out examples that scored
+            the trials, ``validation_fraction * N`` (public; the split's real
+            size, a count of private coins, is neither released nor used).
         score_noise_multiplier: the std of the noise on each trial's summed score.
     """
 
@@ -112,7 +114,7 @@ class SearchResult:
     l2_norm_clip: float
     mean_trials: float
     shape: float
-    validation_size: int
+    validation_size: float
     score_noise_multiplier: float
 
     def explain(self):
@@ -120,7 +122,8 @@ class SearchResult:
                 f"{self.mean_trials:g}, shape {self.shape:g}), each {self.steps} DP-Adam "
                 f"steps at q={self.sampling_rate:.4g}, noise multiplier "
                 f"{self.noise_multiplier:.4f}, clip {self.l2_norm_clip:g}, scored on "
-                f"{self.validation_size} held-out private examples with Gaussian noise. "
+                f"about {self.validation_size:.0f} held-out private examples (the "
+                f"expected number; the score divides by it) with Gaussian noise. "
                 f"Released: learning rate {self.candidate.learning_rate:g}, trainable "
                 f"{self.candidate.trainable!r}, noisy validation score {self.score:.4f}. "
                 f"The whole search spends epsilon {self.epsilon:.3f} at delta "
@@ -227,19 +230,25 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     # of DP-SGD on one part and the noisy score on the other (add/remove-one).
     held_out = held_out_coins(n, validation_fraction, rng)
     val_index, train_index = np.flatnonzero(held_out), np.flatnonzero(~held_out)
-    n_val, n_train = len(val_index), len(train_index)
-    if not n_val or not n_train:
-        raise ValueError(f"The random split left {n_val} validation and {n_train} training "
-                         "records: use more records or another `validation_fraction`.")
+    n_val = len(val_index)
+    if not n_val or not len(train_index):
+        raise ValueError("The random split left an empty validation or training part: use "
+                         "more records or another `validation_fraction`.")
+    # Everything that shapes the search (batch, rate, noise, the score's divisor)
+    # comes from N and the fraction, public; never from the split's real sizes,
+    # counts of private coins (a divisor that moves with the data moves the
+    # released score by more than its noise was calibrated for).
+    planned_val = validation_fraction * n
+    planned_train = max(1, int(round(n - planned_val)))
     if score_noise_multiplier is None:
         score_noise_multiplier = default_score_noise(target_epsilon, delta, mean_trials,
-                                                     shape, n_val)
+                                                     shape, planned_val)
 
     # Plan: batch and steps by the recipe's rules, then the noise for the whole search.
     overflow_delta = _OVERFLOW_SHARE * delta
     search_delta = delta - overflow_delta
     # the recipe's batch and steps rules only (its noise is for one run, not a search)
-    plan = suggest_recipe(n_train, target_epsilon, delta, epochs=epochs, min_steps=min_steps,
+    plan = suggest_recipe(planned_train, target_epsilon, delta, epochs=epochs, min_steps=min_steps,
                           max_batch_size=max_batch_size, trainable="head")
     q, steps = plan.sampling_rate, plan.steps
     count = selection.TrialCount(mean_trials, shape)
@@ -253,7 +262,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         raise RuntimeError(f"calibration gave epsilon {spent} > {target_epsilon}")
     # A Poisson draw above the cap in any trial: at most E[K] * p over the search.
     overflow_p = overflow_delta / ((1.0 + math.exp(target_epsilon)) * count.mean())
-    cap = suggest_max_batch_size(n_train, q, steps, max_overflow_probability=overflow_p)
+    cap = suggest_max_batch_size(planned_train, q, steps, max_overflow_probability=overflow_p)
     accumulation = 1 if micro_batch_size is None else max(1, math.ceil(cap / micro_batch_size))
     trial_epsilon = compute_epsilon(sigma, q, steps, search_delta)
 
@@ -287,7 +296,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
                                   seed=None if seed is None else rng.randrange(2**31))
         model.compile(optimizer=DPAdam(
             learning_rate=candidate.learning_rate, l2_norm_clip=l2_norm_clip,
-            noise_multiplier=sigma, expected_batch_size=q * n_train,
+            noise_multiplier=sigma, expected_batch_size=q * planned_train,
             gradient_accumulation_steps=accumulation,
             seed=None if seed is None else rng.randrange(2**31)), loss=loss)
         accountant = PrivacyAccountant(target_epsilon=trial_epsilon * (1 + 1e-6),
@@ -304,7 +313,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
                              f"({n_val}), got shape {per_example.shape}.")
         noise = (rng.gauss(0.0, score_noise_multiplier) if seed is not None
                  else np.random.default_rng().normal(0.0, score_noise_multiplier))
-        noisy = (per_example.sum() + noise) / n_val
+        noisy = (per_example.sum() + noise) / planned_val
         if best is None or noisy > best[0]:
             best = (noisy, candidate, model)
         else:
@@ -328,7 +337,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
         model=released, candidate=best[1], score=float(best[0]), epsilon=spent,
         delta=float(delta), dp_event=event, noise_multiplier=sigma, sampling_rate=q,
         steps=steps, l2_norm_clip=l2_norm_clip, mean_trials=float(mean_trials),
-        shape=float(shape), validation_size=n_val,
+        shape=float(shape), validation_size=planned_val,
         score_noise_multiplier=float(score_noise_multiplier))
 
 
