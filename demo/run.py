@@ -106,7 +106,8 @@ BASELINE_GRID_CHECKPOINTS = 5
 TINY_OVERRIDES = dict(
     model_size="micro", sequence_length=32, vocab_size=256, vocab_epsilon=4.0,
     max_words_per_example=4, target_epsilon=8.0, pretrain_steps=20, steps=12,
-    batch_size=16, pretrain_batch_size=16, heldout_records=48, max_private_records=8000, max_public_records=1500, canary_repetitions=[1, 20],
+    batch_size=16, pretrain_batch_size=16, heldout_records=48, max_private_records=8000,
+    max_public_records=1500, canary_repetitions=[1, 20],
     canary_digits=4, exposure_samples=60, num_samples=2, sample_length=12,
     max_record_chars=100, decoding_epsilons=[1.0, 8.0], decoding_tokens=16,
     decoding_samples=1, baseline_batch_size=16, baselines=["reference", "same-batch"])
@@ -131,10 +132,15 @@ def _public_corpus(value):
 # --------------------------------------------------------------------------------------
 
 # The quick configuration: the full one (the parser's defaults) at a smaller scale,
-# every privacy step kept. Chosen from the stage times of a full run (report.md's
-# runtime table): pre-training and the two fine-tunes are most of it.
+# every privacy step kept. Profiled (CPU seconds, 2 cores shared with other jobs): at 1
+# epoch and 1,000 pre-training steps, DP fine-tuning took 494 s (100 steps of batch ~700)
+# and pre-training 197 s, everything before them 13 s; the cost of DP fine-tuning grows
+# with --epochs (example gradients), pre-training with its steps. So the quick run spends
+# 0.2 epochs (100 DP steps of batch ~140 over all 70k records: the same accountant and
+# target epsilon) and 500 pre-training steps, and scores fewer exposure candidates and
+# decoding records.
 QUICK_OVERRIDES = dict(
-    pretrain_steps=1000, epochs=1.0, exposure_samples=300, decoding_epsilons=[1.0, 8.0],
+    pretrain_steps=500, epochs=0.2, exposure_samples=200, decoding_epsilons=[1.0, 8.0],
     decoding_records=200)
 
 CONFIGURATIONS = {
@@ -298,8 +304,8 @@ def build_parser():
     which = p.add_mutually_exclusive_group()
     which.add_argument("--full", action="store_true",
                        help="the full configuration (the defaults shown here; what the "
-                            "README's results table quotes): about 6,000 pre-training "
-                            "steps and 3 epochs of fine-tuning, 15-25 min on 2 cores. "
+                            "README's results table quotes): 6,000 pre-training steps and "
+                            "3 epochs of fine-tuning, about 10x the quick run's CPU time. "
                             "Without it the demo runs the quick configuration: the flags "
                             "marked [quick: ...] take that value unless given")
     which.add_argument("--tiny", action="store_true",
@@ -1493,6 +1499,9 @@ def markdown_report(r):
         "* Training losses and the non-private baseline are not private; only the DP "
         "model, its tokenizer and text sampled from it are covered.", "",
         "## Held-out perplexity", "",
+        *([] if r["configuration"]["comparable_with_readme_results"] else [
+            f"Configuration {r['configuration']['name']}: not comparable with the "
+            "README's results table, which quotes the full configuration (`--full`).", ""]),
         "| model | perplexity |", "|---|---|",
     ]
     labels = [("public_only", "public pre-training only"), ("dp", "+ DP fine-tuning"),
@@ -1593,7 +1602,8 @@ def decoding_markdown(d, privacy):
     lines += [
         f"Held-out perplexity of the distribution each sampler draws tokens from "
         f"({d['scored_records']} private held-out records, teacher-forced, scored like "
-        f"the held-out perplexity table), at the same epsilon per {t}-token sequence. Private model: {d['private_models']}. Public "
+        f"the held-out perplexity table), at the same epsilon per {t}-token sequence. "
+        f"Private model: {d['private_models']}. Public "
         f"model: {d['public_model']}. The uniform mixture (`DPSampler`, lambda from "
         f"`lambda_for_epsilon`) is pure epsilon-DP; the public mixture "
         f"(`PublicMixtureSampler`, N = 1, (alpha, beta) from `ball_for_epsilon`) is "
