@@ -191,7 +191,8 @@ def test_text_task_trains_privately_with_a_verified_bound(name):
         assert all(np.array_equal(a, b) for a, b in zip(before, after)), \
             "refused after an update"
         message = str(refusal)
-        assert "'" in message, message   # names the layer
+        layers = [layer.name for layer in task._flatten_layers(include_self=False)]
+        assert any(n in message for n in layers), message   # names the layer
         _check_row(name, row(name, kind, "refused", message.split(". ")[0]))
         return
     assert kdp.ledger_of(task).updates == 1
