@@ -1,7 +1,10 @@
 """Batches for DP-SGD: Poisson sampling (of examples, or of users for
-user-level DP), padding with a real-slot mask the DP step owns; and
-``DPFeatureNormalization``, frozen features centred on a DP mean."""
+user-level DP), padding with a real-slot mask the DP step owns;
+``DPFeatureNormalization``, frozen features centred on a DP mean; and
+``DPClassPriors``, a DP label histogram for ``LogitAdjustedSparseCategoricalCrossentropy``."""
 
+from keras_dp_lm.data.class_priors import DPClassPriors
+from keras_dp_lm.data.class_priors import LogitAdjustedSparseCategoricalCrossentropy
 from keras_dp_lm.data.draws import OVERFLOW_MODES
 from keras_dp_lm.data.draws import PADDING_MODES
 from keras_dp_lm.data.draws import PoissonOverflowError
@@ -16,7 +19,9 @@ from keras_dp_lm.data.real_slots import split_real_slots
 from keras_dp_lm.data.users import poisson_user_batches
 from keras_dp_lm.data.users import records_per_user
 
-__all__ = ["DPFeatureNormalization", "OVERFLOW_MODES", "PADDING_MODES", "padding_buckets",
+__all__ = ["DPClassPriors", "DPFeatureNormalization",
+           "LogitAdjustedSparseCategoricalCrossentropy", "OVERFLOW_MODES", "PADDING_MODES",
+           "padding_buckets",
            "PoissonOverflowError", "attach_real_slots", "iter_poisson_batches",
            "overflow_probability", "poisson_batches", "poisson_user_batches",
            "records_per_user", "split_real_slots", "suggest_max_batch_size"]

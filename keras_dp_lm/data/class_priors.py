@@ -1,0 +1,279 @@
+"""``DPClassPriors``: a DP release of the label histogram, and a loss that uses it.
+
+A DP head on unbalanced labels drifts to the majority class: every clipped
+example pushes the bias towards its own class with the same force
+(``benchmarks/imbalanced.md``). Logit adjustment (Menon et al. 2021, "Long-tail
+learning via logit adjustment") trains on ``logits + tau * log(prior)`` and
+predicts with the raw logits, so the head does not have to learn the prior and
+its raw logits rank the classes as if they were balanced. The prior comes from
+the private labels, so it is released with the Gaussian mechanism and counted
+(:meth:`DPClassPriors.dp_event`).
+
+The release and its guarantee (add/remove one privacy unit, the package's one
+adjacency). ``release(labels)`` publishes the count vector ``c`` (one entry per
+class) plus ``N(0, sigma^2 I)`` and nothing else. Adding or removing one record
+changes exactly one entry by exactly 1: L2 sensitivity 1, so one release is
+``GaussianDpEvent(sigma)``. With ``user_ids`` the unit is a user: each user's
+label histogram is normalised to sum 1 before it is added, and a vector of
+non-negative entries summing to 1 has L2 norm at most 1, so the sensitivity is
+1 again. The priors are ``max(noised counts, min_count)`` divided by their sum:
+post-processing of the release, no divisor computed from the private data.
+
+:class:`LogitAdjustedSparseCategoricalCrossentropy` uses the released priors
+only: each example's loss depends on that example's logits and label and on
+the (public, released) priors, so per-example independence (and the clipping
+bound) is unchanged. Its optional class weights ``min(prior) / prior[y]`` lie in
+``(0, 1]``: they only shrink an example's gradient before clipping.
+"""
+
+import dp_accounting
+import keras
+import numpy as np
+
+from keras_dp_lm.accounting._arguments import check_noise
+
+# Noise std on each class count (sensitivity 1). About epsilon 1.0 alone at
+# delta 1e-6, far less once composed with DP-SGD (PLD); the count of a class with
+# 50 examples is then known to about 20%, about 0.2 on log(prior), which logit
+# adjustment tolerates (an offset of log(0.1 / 0.9) = -2.2 for a 10% class).
+PRIOR_NOISE_MULTIPLIER = 10.0
+# The floor of a noised count before normalisation: log(prior) stays finite.
+MIN_COUNT = 1.0
+PRIVACY_UNITS = ("example", "user")
+
+
+def release_sensitivity():
+    """L2 sensitivity of the count vector under adding or removing one privacy
+    unit (a record, or a user whose histogram is normalised to sum 1)."""
+    return 1.0
+
+
+class DPClassPriors:
+    """The label histogram released with Gaussian noise, and priors from it.
+
+    ``release(labels)`` adds ``N(0, noise_multiplier^2)`` to every class count
+    (``num_classes`` entries; a record moves one entry by 1, so the L2
+    sensitivity is 1) and sets :attr:`priors` to the noised counts floored at
+    ``min_count`` and normalised to sum 1 (post-processing). Every ``release``
+    is one more Gaussian release, counted in ``num_releases`` and in
+    :meth:`dp_event` (``GaussianDpEvent(noise_multiplier)`` per release; before
+    the first, the one it will make, so the budget can be planned).
+
+    The priors feed :class:`LogitAdjustedSparseCategoricalCrossentropy`, which
+    sits outside the model, where the accountant cannot see it: pass
+    :meth:`dp_event` to ``suggest_recipe(extra_events=[...])`` or
+    ``PrivacyAccountant(extra_events=[...])`` yourself, and the total then
+    includes the release.
+
+    Args:
+        num_classes: the number of classes (public: the label set is not
+            derived from the data). Labels outside ``[0, num_classes)`` are
+            refused.
+        noise_multiplier: std of the noise on each count (> 0).
+        min_count: floor of a noised count before normalising (> 0).
+        seed: seed of the noise (``None``: OS entropy); release ``i`` draws from
+            ``(seed, i)``. For tests only: two objects with one seed on
+            neighbouring data draw the same noise, which voids the guarantee.
+
+    Attributes:
+        released_counts: the last release's noised count vector.
+        priors: the priors from it (``None`` before the first release).
+        privacy_unit: ``"example"`` or ``"user"`` (every release uses one).
+
+    Example:
+        >>> import keras, numpy as np
+        >>> from keras_dp_lm.data import DPClassPriors
+        >>> from keras_dp_lm.data import LogitAdjustedSparseCategoricalCrossentropy
+        >>> from keras_dp_lm.recipes import suggest_recipe
+        >>> rng = np.random.default_rng(0)
+        >>> y = (rng.uniform(size=2000) < 0.1).astype("int32")   # a 10% class
+        >>> x = (rng.normal(size=(2000, 8)) + y[:, None]).astype("float32")
+        >>> priors = DPClassPriors(num_classes=2, seed=0)
+        >>> p = priors.release(y)
+        >>> bool(0.05 < p[1] < 0.15)
+        True
+        >>> recipe = suggest_recipe(2000, 3.0, 1e-6, epochs=5, trainable="head",
+        ...                         extra_events=[priors.dp_event()])
+        >>> recipe.epsilon <= 3.0
+        True
+        >>> head = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+        >>> head.compile(optimizer=recipe.optimizer(seed=0),
+        ...              loss=LogitAdjustedSparseCategoricalCrossentropy(priors))
+        >>> batches = recipe.poisson_batches((x, y), seed=0)
+        >>> accountant = recipe.accountant(batches=batches, verbose=0)
+        >>> _ = head.fit(batches, epochs=1, callbacks=[accountant], verbose=0)
+        >>> bool(accountant.report()["total_epsilon"] <= 3.0)
+        True
+    """
+
+    def __init__(self, num_classes, noise_multiplier=PRIOR_NOISE_MULTIPLIER,
+                 min_count=MIN_COUNT, seed=None):
+        if (isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer))
+                or num_classes < 2):
+            raise ValueError(f"`num_classes` must be an int >= 2, got {num_classes!r}.")
+        self.num_classes = int(num_classes)
+        self.noise_multiplier = check_noise(noise_multiplier)
+        if self.noise_multiplier == 0:
+            raise ValueError("`noise_multiplier` must be > 0: counts released without "
+                             "noise are not differentially private.")
+        min_count = float(min_count)
+        if not min_count > 0:
+            raise ValueError(f"`min_count` must be > 0, got {min_count!r}.")
+        self.min_count = min_count
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
+        self.seed = seed
+        self.num_releases = 0
+        self.privacy_unit = None
+        self.released_counts = None
+        self.priors = None
+
+    def _histogram(self, labels, user_ids):
+        y = np.asarray(labels)
+        if y.ndim == 2 and y.shape[1] == 1:
+            y = y[:, 0]
+        if y.ndim != 1 or y.shape[0] == 0:
+            raise ValueError(f"`labels` must be a non-empty [N] array of class ids, got "
+                             f"shape {y.shape}.")
+        if not np.issubdtype(y.dtype, np.integer):
+            if not np.all(np.isfinite(y)) or np.any(y != np.round(y)):
+                raise ValueError("`labels` must be integer class ids.")
+            y = y.astype("int64")
+        if y.min() < 0 or y.max() >= self.num_classes:
+            raise ValueError(f"`labels` must lie in [0, {self.num_classes}) (num_classes="
+                             f"{self.num_classes}).")
+        if user_ids is None:
+            return np.bincount(y, minlength=self.num_classes).astype("float64")
+        users = np.asarray(user_ids)
+        if users.shape != y.shape:
+            raise ValueError(f"`user_ids` must have shape {y.shape}, got {users.shape}.")
+        _, index, per_user = np.unique(users, return_inverse=True, return_counts=True)
+        counts = np.zeros(self.num_classes)
+        # each user's histogram sums to 1 (L1 1, hence L2 <= 1)
+        np.add.at(counts, y, 1.0 / per_user[index])
+        return counts
+
+    def release(self, labels, user_ids=None):
+        """Release the noised histogram of ``labels`` (``[N]`` class ids) and
+        return the priors (one more release). ``user_ids`` (``[N]``): the privacy
+        unit is a user, whose label histogram counts with total weight 1."""
+        unit = "example" if user_ids is None else "user"
+        if self.num_releases and unit != self.privacy_unit:
+            raise ValueError(f"The earlier releases protected one {self.privacy_unit}; "
+                             f"release again with the same unit (`user_ids` "
+                             f"{'given' if self.privacy_unit == 'user' else 'None'}).")
+        counts = self._histogram(labels, user_ids)
+        seed = (None if self.seed is None
+                else np.random.SeedSequence(self.seed, spawn_key=(self.num_releases,)))
+        rng = np.random.default_rng(seed)
+        self.num_releases += 1  # counted as soon as the noise is drawn
+        self.privacy_unit = unit
+        self.released_counts = counts + rng.normal(0.0, self.noise_multiplier,
+                                                   self.num_classes)
+        # Post-processing of the release only.
+        floored = np.maximum(self.released_counts, self.min_count)
+        self.priors = floored / floored.sum()
+        return self.priors.copy()
+
+    def dp_event(self):
+        """The ``dp_accounting`` event of every release (the planned one before the
+        first): ``GaussianDpEvent(noise_multiplier / release_sensitivity())`` each."""
+        one = dp_accounting.GaussianDpEvent(self.noise_multiplier / release_sensitivity())
+        count = max(self.num_releases, 1)
+        return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
+
+    def class_weights(self):
+        """``min(priors) / priors``: weight 1 for the rarest class, in ``(0, 1]``."""
+        return _class_weights(self._require_priors())
+
+    def _require_priors(self):
+        if self.priors is None:
+            raise ValueError("DPClassPriors has no priors yet: call `release(labels)` on "
+                             "the training labels first.")
+        return self.priors
+
+
+def _class_weights(priors):
+    return np.min(priors) / priors
+
+
+def _as_priors(priors):
+    if isinstance(priors, DPClassPriors):
+        priors = priors._require_priors()
+    p = np.asarray(priors, dtype="float64")
+    if p.ndim != 1 or p.shape[0] < 2 or not np.all(np.isfinite(p)) or np.any(p <= 0):
+        raise ValueError(f"`priors` must be a vector of at least 2 positive numbers (a "
+                         f"released `DPClassPriors` or its `priors`), got {priors!r}.")
+    return p / p.sum()
+
+
+@keras.saving.register_keras_serializable(package="keras_dp_lm")
+class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
+    """Cross-entropy on ``logits + tau * log(priors)``, optionally class-weighted.
+
+    Train with this loss and predict with the model's raw logits (Menon et al.
+    2021): the head no longer has to learn the prior, and argmax of the raw
+    logits approximates the balanced-error decision. ``class_weighting=True``
+    also multiplies each example's loss by ``min(priors) / priors[y]`` (in
+    ``(0, 1]``: the rarest class keeps weight 1). Each example's value depends on
+    its own logits and label and on ``priors`` only, so a DP optimizer's
+    per-example clipping bound holds as for the plain cross-entropy.
+
+    Args:
+        priors: released priors: a :class:`DPClassPriors` after ``release`` or
+            its ``priors`` vector. Never priors counted on the private labels
+            without noise: they would be an unaccounted release.
+        tau: the adjustment's scale (``0``: the plain cross-entropy).
+        class_weighting: multiply each example's loss by its class weight.
+        from_logits: must be ``True`` (the adjustment is on logits).
+        reduction, name, dtype: as for any ``keras.losses.Loss``.
+
+    Example:
+        >>> import numpy as np
+        >>> loss = LogitAdjustedSparseCategoricalCrossentropy([0.9, 0.1], tau=1.0)
+        >>> logits = np.zeros((2, 2), "float32")
+        >>> # with equal raw logits, the adjusted logits favour the 90% class
+        >>> round(float(loss(np.array([0]), logits[:1])), 4)
+        0.1054
+        >>> round(float(loss(np.array([1]), logits[1:])), 4)
+        2.3026
+    """
+
+    def __init__(self, priors, tau=1.0, class_weighting=False, from_logits=True,
+                 reduction="sum_over_batch_size",
+                 name="logit_adjusted_sparse_categorical_crossentropy", dtype=None):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        if not from_logits:
+            raise ValueError("LogitAdjustedSparseCategoricalCrossentropy adjusts logits: "
+                             "use a model that outputs logits and `from_logits=True`.")
+        tau = float(tau)
+        if not np.isfinite(tau) or tau < 0:
+            raise ValueError(f"`tau` must be a finite number >= 0, got {tau!r}.")
+        self.priors = _as_priors(priors)
+        self.tau = tau
+        self.class_weighting = bool(class_weighting)
+        self.from_logits = True
+
+    def call(self, y_true, y_pred):
+        ops = keras.ops
+        logits = ops.convert_to_tensor(y_pred)
+        offset = ops.convert_to_tensor(self.tau * np.log(self.priors), dtype=logits.dtype)
+        labels = ops.cast(y_true, "int32")
+        if len(labels.shape) == len(logits.shape):
+            labels = ops.squeeze(labels, axis=-1)
+        values = keras.losses.sparse_categorical_crossentropy(
+            labels, logits + offset, from_logits=True)
+        if self.class_weighting:
+            weights = ops.convert_to_tensor(_class_weights(self.priors), dtype=values.dtype)
+            values = values * ops.take(weights, labels)
+        return values
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(priors=[float(p) for p in self.priors], tau=self.tau,
+                      class_weighting=self.class_weighting, from_logits=True)
+        return config
+
+
+__all__ = ["DPClassPriors", "LogitAdjustedSparseCategoricalCrossentropy",
+           "PRIOR_NOISE_MULTIPLIER", "release_sensitivity"]
