@@ -289,7 +289,7 @@ def run_lm(data_dir, unit):
     with tempfile.TemporaryDirectory() as out:
         subprocess.run([sys.executable, os.path.join(root, "demo", "run.py"),
                         "--data-dir", data_dir, "--output-dir", out, "--privacy-unit", unit,
-                        "--no-plots"], check=True, cwd=root)
+                        "--no-plots", "--full"], check=True, cwd=root)
         with open(os.path.join(out, "report.json")) as f:
             report = json.load(f)
     ppl = report["perplexity"]

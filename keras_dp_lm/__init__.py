@@ -49,7 +49,6 @@ _EXPORTS = {
     "DPAdamBC": "keras_dp_lm.optimizers",
     "DPAdamW": "keras_dp_lm.optimizers",
     "DPOptimizer": "keras_dp_lm.optimizers",
-    "DPOptimizerMixin": "keras_dp_lm.optimizers",
     "DPSGD": "keras_dp_lm.optimizers",
     "is_dp_optimizer": "keras_dp_lm.optimizers",
     "make_dp_optimizer": "keras_dp_lm.optimizers",

@@ -318,7 +318,7 @@ def trained_pair():
         return lm
 
     plain = run(keras.optimizers.Adam(3e-3))
-    accountant = accounting.PrivacyAccountant(
+    accountant = kdp.PrivacyAccountant(
         delta=DELTA, dataset_size=len(data), batch_size=BATCH, sampling="shuffle",
         verbose=0)
     private = run(kdp.DPAdam(learning_rate=3e-3, l2_norm_clip=1.0, noise_multiplier=sigma,

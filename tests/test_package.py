@@ -107,3 +107,77 @@ def test_built_in_clipping_rules_register_through_the_public_decorator():
         assert registered[_Custom] is rules.dense._DenseRule
     finally:
         registered.pop(_Custom, None)
+
+
+# -- the import graph (issue 51: no circles) ------------------------------------
+def _module_name(path):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph():
+    """module -> the package's modules it imports, at module level or inside a
+    function (an import inside a function is an arrow all the same)."""
+    names = {_module_name(path): path for path in _modules()}
+    graph = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                    + ([base] if base else []))
+                modules = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            else:
+                continue
+            for module in modules:
+                while module and module not in names:
+                    module = module.rpartition(".")[0]
+                if module and module != name and not name.startswith(module + "."):
+                    targets.add(module)
+        graph[name] = targets
+    return graph
+
+
+def _circles(graph):
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(frozenset(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_training_has_no_import_circle():
+    """``training/`` is ordered marks -> ledger -> model ledgers -> guards -> step
+    -> binding; a lower floor notifies a higher one through a listener
+    (``weight_marks.on_marked``), never by importing it."""
+    circles = [sorted(c) for c in _circles(_import_graph())
+               if any(m.startswith("keras_dp_lm.training") for m in c)]
+    assert circles == []

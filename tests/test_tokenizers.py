@@ -138,10 +138,7 @@ def test_dp_event_composes_with_training():
     # Alone: the PLD-composed epsilon reproduces the exact one (0.5%), never above
     # the reported one by more than the PLD discretisation.
     assert vocab_event.composed_epsilon(1e-6) == pytest.approx(mech.epsilon, rel=5e-3)
-    # The 0.1 tuple unpacking still works, with a deprecation warning.
-    with pytest.warns(DeprecationWarning, match="Unpacking"):
-        gaussian, threshold_delta = vocab_event
-    assert gaussian == event and threshold_delta == vocab_event.threshold_delta
+    assert vocab_event.event == event
     training = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), 100)
     both = vocab_event.composed_epsilon(1e-5, training)

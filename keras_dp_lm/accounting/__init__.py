@@ -34,7 +34,6 @@ Example:
     True
 """
 
-import warnings
 
 from keras_dp_lm.accounting._arguments import ACCOUNTANTS
 from keras_dp_lm.accounting._arguments import PrivacyBudgetExhaustedError
@@ -46,6 +45,7 @@ from keras_dp_lm.accounting.epsilon import ledger_epsilon
 from keras_dp_lm.accounting.epsilon import max_steps
 from keras_dp_lm.accounting.events import EpsilonDeltaDpEvent
 from keras_dp_lm.accounting.events import dp_sgd_event
+from keras_dp_lm.accounting.events import LedgerRow
 from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.events import make_accountant
 from keras_dp_lm.accounting.report import privacy_report
@@ -63,6 +63,7 @@ __all__ = [
     "dp_sgd_event",
     "epsilon_curve",
     "ledger_epsilon",
+    "LedgerRow",
     "ledger_events",
     "make_accountant",
     "max_steps",
@@ -71,15 +72,3 @@ __all__ = [
     "report_to_json",
     "user_level_epsilon",
 ]
-
-
-def __getattr__(name):
-    if name == "PrivacyAccountant":  # moved: importing it here would import Keras
-        warnings.warn(
-            "keras_dp_lm.accounting.PrivacyAccountant moved to "
-            "keras_dp_lm.callbacks.PrivacyAccountant (also keras_dp_lm.PrivacyAccountant); "
-            "the old path will be removed in the next release.",
-            DeprecationWarning, stacklevel=2)
-        from keras_dp_lm.callbacks import PrivacyAccountant
-        return PrivacyAccountant
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

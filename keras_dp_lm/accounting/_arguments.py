@@ -1,5 +1,6 @@
 """Constants and argument checks shared by the accounting modules."""
 
+import logging
 import math
 import numbers
 
@@ -23,6 +24,23 @@ SHUFFLE_NOTE = (
     "shuffling can be less private than the number suggests)")
 POISSON_NOTE = ("Poisson sampling (each example included independently with "
                 "probability q)")
+
+
+class _DropRdpConvergenceNotes(logging.Filter):
+    """dp_accounting's RDP accountant logs a warning for every fractional order
+    whose series does not converge (at sampling rates near 0.5 that is a dozen
+    per epsilon) and leaves that order out; the epsilon, a minimum over the
+    other orders, stays a valid upper bound. keras_dp_lm computes RDP beside PLD
+    for every report, so these notes flooded users' output (issue 50); they are
+    dropped, every other absl message passes."""
+
+    def filter(self, record):
+        message = record.getMessage()
+        return not ("failed to converge" in message and "Excluding this order" in message)
+
+
+if not any(isinstance(f, _DropRdpConvergenceNotes) for f in logging.getLogger("absl").filters):
+    logging.getLogger("absl").addFilter(_DropRdpConvergenceNotes())
 
 
 class PrivacyBudgetExhaustedError(RuntimeError):

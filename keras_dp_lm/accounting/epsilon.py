@@ -31,7 +31,7 @@ from keras_dp_lm.accounting.events import _PLDAccountant
 from keras_dp_lm.accounting.events import as_event
 from keras_dp_lm.accounting.events import describe_event
 from keras_dp_lm.accounting.events import epsilon_of
-from keras_dp_lm.accounting.events import row_sampling_rate
+from keras_dp_lm.accounting.events import LedgerRow
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.events import make_accountant
@@ -409,15 +409,15 @@ def ledger_epsilon(rows, dataset_size, delta, accountant="pld"):
         >>> ledger_epsilon(rows, 1000, 1e-5) == compute_epsilon(1.1, 0.01, 1000, 1e-5)
         True
     """
-    rows = [row for row in rows if row[3]]
+    rows = [LedgerRow(*row) for row in rows if row[3]]
     if not rows:
         return 0.0
-    if any(row[0] == 0 for row in rows):
+    if any(row.noise_multiplier == 0 for row in rows):
         return math.inf
     if len(rows) == 1:
-        sigma, _, _, count = rows[0]
-        return cached_epsilon_curve(sigma, row_sampling_rate(rows[0], dataset_size), delta,
-                             accountant)(count)
+        (row,) = rows
+        return cached_epsilon_curve(row.noise_multiplier, row.rate(dataset_size), delta,
+                                    accountant)(row.updates)
     return compose_epsilon(ledger_events(rows, dataset_size), delta, accountant)
 
 

@@ -7,6 +7,7 @@ add/remove one example throughout.
 """
 
 import math
+import typing
 
 import attr
 import dp_accounting
@@ -176,24 +177,42 @@ def pick_accountant(events, preferred="pld"):
 # ---------------------------------------------------------------------------
 # the ledger's epsilon
 # ---------------------------------------------------------------------------
-def row_sampling_rate(row, dataset_size):
-    """q of a ledger row: the sampler's rate, or real batch / N for fixed batches."""
-    _, rate, batch, _ = row
-    return rate if rate > 0 else min(1.0, batch / dataset_size)
+class LedgerRow(typing.NamedTuple):
+    """One row of a privacy ledger: ``updates`` noised updates that used
+    ``noise_multiplier`` and, for Poisson batches, ``sampling_rate`` (0 for
+    fixed-size batches, priced at ``max_real_batch / N``). A tuple, so rows
+    compare equal to ``(sigma, q, batch, updates)``.
+
+    Example:
+        >>> row = LedgerRow(1.0, 0.0, 50.0, 10)
+        >>> row.rate(1000), row.dp_event(1000).count
+        (0.05, 10)
+    """
+
+    noise_multiplier: float
+    sampling_rate: float
+    max_real_batch: float
+    updates: int
+
+    def rate(self, dataset_size):
+        """q: the sampler's rate, or the largest real batch / N for fixed batches."""
+        if self.sampling_rate > 0:
+            return self.sampling_rate
+        return min(1.0, self.max_real_batch / dataset_size)
+
+    def dp_event(self, dataset_size):
+        """The row's ``dp_accounting`` event: ``updates`` Poisson-sampled Gaussians."""
+        return dp_sgd_event(self.noise_multiplier, self.rate(dataset_size), self.updates)
 
 
 def ledger_events(rows, dataset_size):
-    """``DpEvent`` of a privacy ledger's rows (``(sigma, q, max_batch, updates)``).
+    """``DpEvent`` of a privacy ledger's rows (:class:`LedgerRow`), one per row
+    with updates.
 
     Example:
         >>> ledger_events([(1.0, 0.01, 12.0, 100)], dataset_size=1000)[0].count
         100
     """
-    events = []
-    for row in rows:
-        sigma, _, _, count = row
-        if count:
-            events.append(dp_sgd_event(sigma, row_sampling_rate(row, dataset_size), count))
-    return events
+    return [LedgerRow(*row).dp_event(dataset_size) for row in rows if row[3]]
 
 

@@ -6,7 +6,6 @@ import math
 from keras_dp_lm.accounting.epsilon import ledger_epsilon
 from keras_dp_lm.accounting.overflow import overflow_probability
 from keras_dp_lm.accounting.events import ledger_events
-from keras_dp_lm.accounting.events import row_sampling_rate
 from keras_dp_lm.accounting.report import privacy_report
 from keras_dp_lm.accounting.user_level import user_level_epsilon
 from keras_dp_lm.training.model_ledgers import ledger_of
@@ -18,8 +17,8 @@ def accountant_report(accountant):
         raise ValueError("report() needs the accountant to have been used in fit().")
     if accountant._config is None:
         accountant._config = accountant._resolve()
-    rows = [row for row in accountant._rows() if row[3]]
-    count = sum(row[3] for row in rows)
+    rows = [row for row in accountant._rows() if row.updates]
+    count = sum(row.updates for row in rows)
     config = accountant._config
     unit = ledger_of(accountant.model).privacy_unit or "example"
     if unit == "user" and accountant.examples_per_user is not None:
@@ -31,14 +30,14 @@ def accountant_report(accountant):
     if accountant._report_cache[0] == key:
         return copy.deepcopy(accountant._report_cache[1])
     if len(rows) <= 1:
-        sigma = rows[0][0] if rows else config["noise_multiplier"]
-        rate = row_sampling_rate(rows[0], accountant.dataset_size) if rows else config["sampling_rate"]
+        sigma = rows[0].noise_multiplier if rows else config["noise_multiplier"]
+        rate = rows[0].rate(accountant.dataset_size) if rows else config["sampling_rate"]
         extra = accountant.extra_events + accountant._selection_events()
     else:  # several configurations: the earlier rows compose as extra events
-        sigma, rate = rows[-1][0], row_sampling_rate(rows[-1], accountant.dataset_size)
+        sigma, rate = rows[-1].noise_multiplier, rows[-1].rate(accountant.dataset_size)
         extra = (ledger_events(rows[:-1], accountant.dataset_size) + accountant.extra_events
                  + accountant._selection_events())
-        count = rows[-1][3]
+        count = rows[-1].updates
     report = privacy_report(
         sigma, rate, count, accountant.delta,
         dataset_size=accountant.dataset_size, batch_size=rate * accountant.dataset_size,
@@ -53,8 +52,8 @@ def accountant_report(accountant):
         epsilons = {name: ledger_epsilon(rows, accountant.dataset_size, accountant.delta, name)
                     for name in ("pld", "rdp")}
         report.update(epsilon=epsilons[accountant.accountant], epsilon_pld=epsilons["pld"],
-                      epsilon_rdp=epsilons["rdp"], steps=sum(row[3] for row in rows))
-        report["epochs"] = sum(row[3] * row_sampling_rate(row, accountant.dataset_size)
+                      epsilon_rdp=epsilons["rdp"], steps=sum(row.updates for row in rows))
+        report["epochs"] = sum(row.updates * row.rate(accountant.dataset_size)
                                for row in rows)
         if not accountant.extra_events:
             report.update(extras=[], total_epsilon=report["epsilon"],
@@ -64,9 +63,9 @@ def accountant_report(accountant):
             # group privacy of one configuration, bounded by the costliest:
             # the smallest sigma and largest rate over all the updates
             report["user_level_epsilon"] = user_level_epsilon(
-                min(row[0] for row in rows),
-                max(row_sampling_rate(row, accountant.dataset_size) for row in rows),
-                sum(row[3] for row in rows), accountant.delta, accountant.examples_per_user,
+                min(row.noise_multiplier for row in rows),
+                max(row.rate(accountant.dataset_size) for row in rows),
+                sum(row.updates for row in rows), accountant.delta, accountant.examples_per_user,
                 "group", accountant.accountant)
     searched = accountant._selection_events()
     if searched:
@@ -83,9 +82,9 @@ def accountant_report(accountant):
     report["target_epsilon"] = accountant.target_epsilon
     report["max_steps"] = accountant.max_steps
     report.update({
-        "dp_updates": sum(row[3] for row in rows),
-        "ledger": [{"noise_multiplier": r[0], "sampling_rate": row_sampling_rate(r, accountant.dataset_size),
-                    "max_real_batch": r[2], "updates": r[3]} for r in rows],
+        "dp_updates": sum(row.updates for row in rows),
+        "ledger": [dict(row._asdict(), sampling_rate=row.rate(accountant.dataset_size))
+                   for row in rows],
         "batch_size_source": config["batch_size_source"],
         "sampling_source": config["sampling_source"],
         "steps_per_execution": config["steps_per_execution"],

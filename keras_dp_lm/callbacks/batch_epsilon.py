@@ -35,7 +35,7 @@ class BatchEpsilonMixin:
         return bool(steps and epochs and self._epoch == epochs - 1 and batch >= steps - 1)
 
     def _batch_epsilon(self, count, batch, final=False):
-        rows = [row for row in self._rows() if row[3]]
+        rows = [row for row in self._rows() if row.updates]
         if (self.accountant == "rdp" or final or not rows or count == self._fit_start
                 or self._selection_events()):  # a recorded search: composed exactly
             value = self._exact_epsilon(rows)  # RDP: exact and cheap
@@ -49,7 +49,7 @@ class BatchEpsilonMixin:
     def _split(self, rows):
         """(updates of the rows the assumed configuration dominates, the other rows)."""
         others = tuple(row for row in rows if not self._dominated([row]))
-        return sum(row[3] for row in rows) - sum(row[3] for row in others), others
+        return sum(row.updates for row in rows) - sum(row.updates for row in others), others
 
     def _bound(self, rows, batch):
         """Upper bound on the PLD epsilon of ``rows``: the dominated rows counted
@@ -98,7 +98,7 @@ class BatchEpsilonMixin:
         """Smallest possible final count (in dominated updates), or None."""
         ends = []
         limit = self.max_steps
-        others = sum(row[3] for row in self._grid[2])
+        others = sum(row.updates for row in self._grid[2])
         if limit is not None:
             ends.append(limit - others - self._config["steps_per_execution"] + 1)
         params = self.params or {}

@@ -20,7 +20,6 @@ from keras_dp_lm.accounting.epsilon import compose_epsilon
 from keras_dp_lm.accounting.epsilon import ledger_epsilon
 from keras_dp_lm.accounting.epsilon import max_steps
 from keras_dp_lm.accounting.events import as_event
-from keras_dp_lm.accounting.events import row_sampling_rate
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import ledger_events
 from keras_dp_lm.accounting.overflow import poisson_count_cap
@@ -278,8 +277,9 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
     def _dominated(self, rows):
         """Every ledger row is at most as costly as the assumed configuration."""
         sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
-        return all(row[0] >= sigma and row_sampling_rate(row, self.dataset_size) <= rate * (1 + 1e-9)
-                   for row in rows if row[3])
+        return all(row.noise_multiplier >= sigma
+                   and row.rate(self.dataset_size) <= rate * (1 + 1e-9)
+                   for row in rows if row.updates)
 
     def _compute_limit(self):
         """Most total updates within the target, given the ledger so far."""
@@ -287,7 +287,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
             return None
         sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
         rows = self._rows()
-        done = sum(row[3] for row in rows)
+        done = sum(row.updates for row in rows)
         selection = self._selection_events()
         if self._dominated(rows) and not selection:
             # every update so far counted at this fit's cost: conservative, and
@@ -333,13 +333,13 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         ``extra_events`` of :func:`keras_dp_lm.recipes.suggest_recipe`."""
         if self.model is None:
             raise ValueError("dp_events() needs the accountant to have been used in fit().")
-        return (ledger_events([row for row in self._rows() if row[3]], self.dataset_size)
+        return (ledger_events(self._rows(), self.dataset_size)
                 + self._selection_events())
 
     @property
     def epsilon(self):
         """Training epsilon at ``delta`` of the ledger (chosen accountant)."""
-        return self._exact_epsilon([row for row in self._rows() if row[3]])
+        return self._exact_epsilon([row for row in self._rows() if row.updates])
 
     def _exact_epsilon(self, rows):
         selection = self._selection_events()

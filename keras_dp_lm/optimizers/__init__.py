@@ -11,7 +11,6 @@ Example:
     2
 """
 
-import warnings
 
 from keras_dp_lm.optimizers.conveniences import DPAdam
 from keras_dp_lm.optimizers.conveniences import DPAdamBC
@@ -26,15 +25,6 @@ from keras_dp_lm.optimizers.noise_corrected_adam import NoiseCorrectedAdam
 __all__ = ["CLIPPING_METHODS", "DPAdam", "DPAdamBC", "DPAdamW", "DPOptimizer", "DPSGD",
            "NoiseCorrectedAdam", "is_dp_optimizer", "make_dp_optimizer"]
 
-
-def __getattr__(name):
-    if name == "DPOptimizerMixin":
-        warnings.warn(
-            "DPOptimizerMixin is replaced by DPOptimizer, a wrapper around any Keras "
-            "optimizer (isinstance checks keep working); the name will be removed in "
-            "the next release.", DeprecationWarning, stacklevel=2)
-        return DPOptimizer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402
 

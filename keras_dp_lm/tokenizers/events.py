@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-import warnings
 
 import dp_accounting
 
@@ -71,16 +70,6 @@ class VocabularyDpEvent(dp_accounting.ComposedDpEvent):
         """The Gaussian part alone (one ``GaussianDpEvent``, or their composition)."""
         gaussians = self.gaussian_events
         return gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
-
-    def __iter__(self):
-        # The 0.1 API returned an (event, threshold_delta) tuple; unpacking still
-        # works (compose ``event``, add ``threshold_delta`` to the delta), but the
-        # event itself is what to pass to an accountant.
-        warnings.warn(
-            "Unpacking `dp_event()` into (event, threshold_delta) is deprecated: pass "
-            "the VocabularyDpEvent itself to PrivacyAccountant(extra_events=[...]) or "
-            "keras_dp_lm.accounting.compose_epsilon.", DeprecationWarning, stacklevel=2)
-        return iter((self.event, self.threshold_delta))
 
     def composed_epsilon(self, delta, *other_events):
         """Epsilon at total ``delta`` of these releases composed with ``other_events``.

@@ -13,14 +13,13 @@ from keras_dp_lm.training.losses import reduce_per_example
 from keras_dp_lm.training.losses import regularization_loss
 from keras_dp_lm.training.refusals import check_model
 from keras_dp_lm.training.step import ClippedBatch
-from keras_dp_lm.training.step import check_model_is_private_compatible
 from keras_dp_lm.training.step import dp_clipped_gradient
 from keras_dp_lm.training.step import dp_train_step
 from keras_dp_lm.training.binding import install
-from keras_dp_lm.training.step import make_private
+from keras_dp_lm.training.binding import make_private
 
 __all__ = ["ClippedBatch", "PrivacyLedger", "allow_non_private_fit", "check_model",
-           "check_model_is_private_compatible", "dp_clipped_gradient", "dp_train_step",
+           "dp_clipped_gradient", "dp_train_step",
            "install", "ledger_of", "make_private", "per_example_losses",
            "reduce_per_example", "regularization_loss"]
 

@@ -40,6 +40,7 @@ from keras_dp_lm.training import refusals
 from keras_dp_lm.training import save_guards
 from keras_dp_lm.training.model_ledgers import ledger_of
 from keras_dp_lm.training.weight_marks import any_dp_trained
+from keras_dp_lm.training.weight_marks import on_marked
 from keras_dp_lm.training.weight_marks import register_model
 from keras_dp_lm.training.weight_marks import registered_models
 from keras_dp_lm.training.model_ledgers import sharing_ledgers
@@ -154,26 +155,8 @@ def _compile_with_dp_binding(self, *args, **kwargs):
             "or float32.")
     register_model(self)
     if is_dp_optimizer(getattr(self, "optimizer", None)):
-        for inner in internals.flatten_layers(self):
-            if isinstance(inner, keras.Model):  # saved or reused alone later
-                register_model(inner)
         _check_train_step_not_overridden(self)
-        refusals.check_model(self)
-        guard(self)
-        # Created in the strategy scope compile runs in. The models holding them
-        # are guarded when the step marks the weights it trains (weight_marks).
-        sharing_ledgers(self)
-        save_guards.guard_model(self)
-        self.train_step = types.MethodType(dp_train_step, self)
-        own["_maybe_symbolic_build"] = types.MethodType(_symbolic_build_distributed_safe, self)
-        # A new loss (or model) is probed again, by a probe traced anew.
-        refusals.probe_state(self).reset()
-        own.pop(_PROBE, None)
-        own.pop(_XLA_CORE, None)
-        if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
-            self.make_train_function = _dp_make_train_function(self)
-        if hasattr(self, "preprocess_samples"):
-            self.preprocess_samples = _keep_real_slots_through(self.preprocess_samples)
+        bind(self)
     else:
         if is_bound_to_dp_step(self):  # recompiled without DP: unbind the step
             for name in ("train_step", "make_train_function", "_maybe_symbolic_build"):
@@ -184,6 +167,38 @@ def _compile_with_dp_binding(self, *args, **kwargs):
 
 
 _compile_with_dp_binding._keras_dp_lm_binding = True
+
+
+def bind(model):
+    """Bind the DP step and its guards to ``model``, compiled with a DP
+    optimizer: the one binding function, used by ``compile`` and
+    :func:`make_private` alike (so both get the same guards). Instance
+    attributes only: ``train_step`` (the DP step), ``make_train_function``
+    (probing first), ``_maybe_symbolic_build``, the guards of ``fit`` /
+    ``train_on_batch`` / the train functions, the legacy-``.h5`` refusal of
+    ``save``, and a KerasHub ``preprocess_samples`` that keeps the real-slot
+    mask. A new loss or model is probed again."""
+    register_model(model)
+    for inner in internals.flatten_layers(model):
+        if isinstance(inner, keras.Model):  # saved or reused alone later
+            register_model(inner)
+    refusals.check_model(model)
+    guard(model)
+    # Created in the strategy scope compile runs in. The models holding them
+    # are guarded when the step marks the weights it trains (weight_marks).
+    sharing_ledgers(model)
+    save_guards.guard_model(model)
+    own = model.__dict__
+    model.train_step = types.MethodType(dp_train_step, model)
+    own["_maybe_symbolic_build"] = types.MethodType(_symbolic_build_distributed_safe, model)
+    # A new loss (or model) is probed again, by a probe traced anew.
+    refusals.probe_state(model).reset()
+    own.pop(_PROBE, None)
+    own.pop(_XLA_CORE, None)
+    if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
+        model.make_train_function = _dp_make_train_function(model)
+    if hasattr(model, "preprocess_samples"):
+        model.preprocess_samples = _keep_real_slots_through(model.preprocess_samples)
 
 
 def _symbolic_build_distributed_safe(self, iterator=None, data_batch=None):
@@ -298,7 +313,7 @@ class _CheckedTrainFunction:
 def _guarded_make_train_function(self, force=False):
     """``make_train_function``, whose train function refuses, before each call,
     training the ledger could not count: ``fit`` and ``train_on_batch`` call
-    it, and so may a user (r34c C5)."""
+    it, and so may a user."""
     type(self).make_train_function(self, force)
     function = self.train_function
     if function is not None and not getattr(function, "_keras_dp_lm_checked", False):
@@ -309,7 +324,7 @@ def _guarded_make_train_function(self, force=False):
 def _guarded_train_step(self, data):
     """Keras's ``train_step`` (or the model's own), refused first if the ledger
     could not count it (a custom loop calling ``model.train_step`` on
-    DP-trained weights with a non-DP optimizer, r34c C5); inside ``fit`` it
+    DP-trained weights with a non-DP optimizer); inside ``fit`` it
     runs when the step is traced (the ledger is read eagerly)."""
     with tf.init_scope():
         fit_guards.check_training_is_private(self, is_bound_to_dp_step(self))
@@ -345,6 +360,13 @@ def guard_registered_models():
         guard(model)
 
 
+# Once weights are marked, every registered model gets the guards (idempotent),
+# holding those weights or not: one compiled earlier may take them later
+# without a compile (``Sequential.add``, a layer assigned as an attribute).
+# Models compiled from then on are guarded at compile.
+on_marked("binding", lambda model: guard_registered_models())
+
+
 def install():
     """Patch ``keras.Model.compile`` (the binding point) and add the
     ``dp_ledger`` property (idempotent).
@@ -363,3 +385,50 @@ def install():
     if not isinstance(getattr(trainer, "dp_ledger", None), property):
         trainer.dp_ledger = property(
             saved_ledger, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
+
+
+def make_private(model):
+    """Bind the DP train step to a model compiled with a DP optimizer.
+
+    ``model.compile`` does this automatically once keras_dp_lm is imported.
+    Returns a callable ``step(data) -> logs`` (a ``tf.function``) for custom
+    training loops: it performs exactly the update ``fit`` would.
+
+    Example:
+        >>> import keras, numpy as np, keras_dp_lm as kdp
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0,
+        ...                                   noise_multiplier=1.0), loss="mse")
+        >>> step = kdp.make_private(model)
+        >>> logs = step((np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")))
+        >>> kdp.ledger_of(model).updates
+        1
+    """
+    if not is_dp_optimizer(getattr(model, "optimizer", None)):
+        raise ValueError(
+            "make_private(model) needs a model compiled with a keras_dp_lm DP "
+            "optimizer, e.g. model.compile(optimizer=keras_dp_lm.DPAdam(...), loss=...).")
+    bind(model)  # the guards compile binds, and the DP step
+    ledger_of(model)
+    model.train_function = None
+
+    def one_step(data):
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            strategy = tf.distribute.get_strategy()
+            logs = strategy.run(model.train_step, args=(data,))
+            return strategy.experimental_local_results(logs)[0]
+        return model.train_step(data)
+
+    traced = [tf.function(one_step, autograph=False)]
+
+    def run(data):
+        if not model.built:
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+            model(x)
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        if _sharing_grew(model):  # traced anew, so that model's ledger records it
+            traced[0] = tf.function(one_step, autograph=False)
+        return traced[0](data)
+
+    return run

@@ -179,7 +179,7 @@ def check_optimizer_matches_step(model, compiled_for_dp):
     """Refuse an optimizer assigned without ``compile`` across the DP line: a
     non-DP one on a model compiled for DP (Keras's retrace would fail on a
     missing attribute), or a DP one on a model compiled without DP (Keras runs
-    its traced plain step and plain optimizer, r34c C1)."""
+    its traced plain step and plain optimizer)."""
     optimizer = getattr(model, "optimizer", None)
     if compiled_for_dp and not is_dp_optimizer(optimizer):
         raise RuntimeError(_SWAPPED_OPTIMIZER.format(type(optimizer).__name__))

@@ -39,7 +39,7 @@ Example:
     ...               loss="mse")
     >>> _ = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=4, verbose=0)
     >>> kdp.ledger_of(model).rows()   # no accountant attached: q unknown (0)
-    [(1.0, 0.0, 4.0, 2)]
+    [LedgerRow(noise_multiplier=1.0, sampling_rate=0.0, max_real_batch=4.0, updates=2)]
 """
 
 import weakref
@@ -48,6 +48,7 @@ import numpy as np
 import keras
 import tensorflow as tf
 
+from keras_dp_lm.accounting.events import LedgerRow
 from keras_dp_lm.accounting.overflow import bernstein_excess
 from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.training import keras_internals
@@ -208,10 +209,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             # The weights loaded with these DP updates refuse non-DP training,
             # also inside another model (keras_dp_lm.training.fit_guards), and
             # are not written to a legacy .h5 file, which drops the ledger.
-            mark_dp_trained(holder.weights, self)
-            from keras_dp_lm.training import save_guards  # pylint: disable=import-outside-toplevel
-            save_guards.guard_model(holder)
-            save_guards.guard_layers(keras_internals.flatten_layers(holder, include_self=True))
+            # (the save guards listen: keras_dp_lm.training.save_guards)
+            mark_dp_trained(holder.weights, self, model=holder)
 
     def inherit(self, sources):
         """Start from the DP updates of ``sources``: the ledgers of the DP steps
@@ -266,7 +265,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
 
     # -- reading ---------------------------------------------------------------
     def rows(self):
-        """The rows as ``[(sigma, q, max_real_batch, updates), ...]`` (Python).
+        """The rows, as :class:`~keras_dp_lm.accounting.LedgerRow` tuples
+        ``(noise_multiplier, sampling_rate, max_real_batch, updates)``.
 
         Raises :class:`~keras_dp_lm.PrivacyRefusalError` if a load gave the
         model updates this ledger cannot count (another privacy unit)."""
@@ -274,7 +274,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             raise self._refusal
         table = np.asarray(self.table.numpy())
         count = int(self.num_rows.numpy())
-        return [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
+        return [LedgerRow(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
 
     def record_selection(self, epsilon, delta, covers=None):
         """Record that this model was released by a private hyperparameter
@@ -299,7 +299,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
     def accounted_rows(self):
         """The rows an accountant prices as DP-SGD updates: :meth:`rows` without
         the updates a recorded search's epsilon covers (:meth:`selection_events`)."""
-        return rows_after(self.rows(), int(self.selection.numpy()[2]))
+        return [LedgerRow(*row) for row in rows_after(self.rows(),
+                                                      int(self.selection.numpy()[2]))]
 
     def selection_events(self):
         """``[(epsilon, delta)]`` of the private search this model was released
@@ -317,7 +318,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
     @property
     def updates(self):
         """Total number of noised updates the model has received."""
-        return sum(row[3] for row in self.rows())
+        return sum(row.updates for row in self.rows())
 
     def updates_so_far(self):
         """The number of updates recorded, as an int64 tensor (for the traced step)."""
@@ -429,7 +430,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         # A full table merges the update into the last row of its kind
         # (fixed-size, q == 0, priced at its batch over the reader's dataset
         # size; Poisson, q > 0): a fixed-size row merged into a Poisson row
-        # would be repriced at the Poisson rate (r37 U4). With no row of its
+        # would be repriced at the Poisson rate. With no row of its
         # kind, the last two rows (of the other kind) merge to make room.
         slots = tf.range(MAX_ROWS, dtype=rows.dtype)
         of_kind = (slots < rows) & tf.equal(table[:, 1] > 0, q > 0)

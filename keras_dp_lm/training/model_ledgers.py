@@ -77,8 +77,7 @@ def sharing_ledgers(model):
     ``model`` trains (created if missing), other than ``model``'s own: each
     records that step's updates, so a model trained as part of another one (a
     layer of it, held by a wrapper or custom layer, or the base of a new head)
-    and then saved or reused alone carries what its weights received (r34d
-    D2). A step traced before such a model registered is traced again at its
+    and then saved or reused alone carries what its weights received. A step traced before such a model registered is traced again at its
     next call (``keras_dp_lm.training.step``). A model that never registered
     (never compiled, its ledger never read) is not seen: its ledger, once
     created, inherits what its weights received."""

@@ -34,6 +34,7 @@ from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.optimizers import is_dp_optimizer
 from keras_dp_lm.training import keras_internals
 from keras_dp_lm.training.weight_marks import is_dp_trained
+from keras_dp_lm.training.weight_marks import on_marked
 from keras_dp_lm.training.model_ledgers import ledger_of
 
 LEGACY_SUFFIXES = (".h5", ".hdf5")
@@ -95,3 +96,14 @@ def guard_layers(layers):
             continue
         layer.__dict__[_GUARDED] = True
         layer.get_config = types.MethodType(_guarded_get_config, layer)
+
+
+def _guard_loaded(model):
+    """A model loaded with DP updates (its weights were just marked): its
+    ``save`` and the layers holding those weights refuse a legacy ``.h5``."""
+    if model is not None:
+        guard_model(model)
+        guard_layers(keras_internals.flatten_layers(model, include_self=True))
+
+
+on_marked("save_guards", _guard_loaded)

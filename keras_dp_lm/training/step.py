@@ -24,10 +24,8 @@ bound for them.
 
 import collections
 import contextlib
-import types
 import weakref
 
-import keras
 import tensorflow as tf
 
 from keras_dp_lm import clipping as clipping_module
@@ -53,7 +51,6 @@ from keras_dp_lm.training.losses import _step_losses
 from keras_dp_lm.training.losses import regularization_loss
 from keras_dp_lm.training.probing import _MIXING_REFUSED
 from keras_dp_lm.training.probing import _probe_engine
-from keras_dp_lm.optimizers import is_dp_optimizer
 from keras_dp_lm.data.feature_normalization import recording_release_calls
 from keras_dp_lm.errors import PrivacyRefusalError
 
@@ -185,7 +182,7 @@ def _clipping_core(model):
     # accumulation steps and the trainable variables as Python values. A
     # recompile (a new optimizer) or another trainable set needs a new program:
     # a core traced for the old optimizer would clip at the old C while the
-    # noise is drawn for the new one (r34 F2).
+    # noise is drawn for the new one.
     owner = (model.optimizer, tuple(model.trainable_variables))
     cached = model.__dict__.get(_XLA_CORE)
     if cached is None or not _same_objects(cached[0], owner):
@@ -303,7 +300,7 @@ def dp_train_step(model, data):
         ledger.record(sigma, rate, real, ok, unit)
     # Mean loss per real unit (a user's weighted losses sum to its mean loss).
     # A non-finite loss counts as 0, as its example's gradient does: a NaN in
-    # the log would show which batch held that example (TerminateOnNaN, r34 F3).
+    # the log would show which batch held that example (TerminateOnNaN).
     finite_losses = tf.where(tf.math.is_finite(result.losses), result.losses,
                              tf.zeros_like(result.losses))
     internals.loss_tracker(model).update_state(
@@ -351,7 +348,7 @@ def _refuse_validation_names(logs):
     the user named so): Keras writes validation values under those names only
     in epochs that validate (``validation_freq``), so in the others a callback
     or a reader would take a value computed on private examples for a held-out
-    one (r34d D3)."""
+    one."""
     names, stack = [], [logs]
     while stack:  # Keras flattens a metric's dict result into the logs
         for name, value in stack.pop().items():
@@ -380,16 +377,13 @@ def _regularization_gradients(model):
     return [None if g is None else tf.convert_to_tensor(g) for g in grads]
 
 
-check_model_is_private_compatible = refusals.check_model
-
-
 _TRACED_SHARING = "_keras_dp_lm_traced_sharing"
 
 
 def _sharing_grew(model):
     """Whether a model built since the DP step was traced holds weights the
     step trains: the traced step would not record its updates in that model's
-    ledger (r36 F1), so the step must be traced again."""
+    ledger, so the step must be traced again."""
     traced = model.__dict__.get(_TRACED_SHARING)
     if traced is None or traced[0] == models_registered():
         return False
@@ -400,51 +394,3 @@ def _sharing_grew(model):
     # recorded before the new trace, which records its own
     model.__dict__[_TRACED_SHARING] = (models_registered(), traced[1])
     return grew
-
-
-def make_private(model):
-    """Bind the DP train step to a model compiled with a DP optimizer.
-
-    ``model.compile`` does this automatically once keras_dp_lm is imported.
-    Returns a callable ``step(data) -> logs`` (a ``tf.function``) for custom
-    training loops: it performs exactly the update ``fit`` would.
-
-    Example:
-        >>> import keras, numpy as np, keras_dp_lm as kdp
-        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-        >>> model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0,
-        ...                                   noise_multiplier=1.0), loss="mse")
-        >>> step = kdp.make_private(model)
-        >>> logs = step((np.ones((4, 3), "float32"), np.zeros((4, 1), "float32")))
-        >>> kdp.ledger_of(model).updates
-        1
-    """
-    if not is_dp_optimizer(getattr(model, "optimizer", None)):
-        raise ValueError(
-            "make_private(model) needs a model compiled with a keras_dp_lm DP "
-            "optimizer, e.g. model.compile(optimizer=keras_dp_lm.DPAdam(...), loss=...).")
-    refusals.check_model(model)
-    ledger_of(model)
-    model.train_step = types.MethodType(dp_train_step, model)
-    model.train_function = None
-
-    def one_step(data):
-        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-            strategy = tf.distribute.get_strategy()
-            logs = strategy.run(model.train_step, args=(data,))
-            return strategy.experimental_local_results(logs)[0]
-        return model.train_step(data)
-
-    traced = [tf.function(one_step, autograph=False)]
-
-    def run(data):
-        if not model.built:
-            x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-            model(x)
-        if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        if _sharing_grew(model):  # traced anew, so that model's ledger records it
-            traced[0] = tf.function(one_step, autograph=False)
-        return traced[0](data)
-
-    return run

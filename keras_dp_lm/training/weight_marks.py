@@ -8,7 +8,9 @@ Once anything is marked, every compiled model carries the guards, which check
 at each fit and train-function call which weights it holds then.
 Models register when compiled or when their ledger is created
 (:func:`register_model`), so that a DP step also records its updates in
-the ledgers of the other models holding the weights it trains.
+the ledgers of the other models holding the weights it trains. This is the
+lowest floor of ``training/``: the floors above act on marks through
+:func:`on_marked` listeners, never by an import from here.
 
 Example:
     >>> import keras
@@ -68,14 +70,29 @@ if "_ANY_MARKED" not in globals():  # kept across a reload, as _MODELS is
     _ANY_MARKED = [False]  # set once any variable in this process is marked
 
 
-def mark_dp_trained(variables, ledger):
+if "_LISTENERS" not in globals():  # kept across a reload, as _MODELS is
+    _LISTENERS = {}  # name -> listener(model or None), called after every mark
+
+
+def on_marked(name, listener):
+    """Call ``listener(model)`` after every :func:`mark_dp_trained`, with the
+    model whose file brought the DP updates (``None`` for a DP step). The
+    floors above this one act on marks through it, so nothing here imports
+    them: the binding guards every registered model, the save guards a model
+    loaded with DP updates. Registering a name again replaces its listener
+    (a reloaded module registers anew)."""
+    _LISTENERS[name] = listener
+
+
+def mark_dp_trained(variables, ledger, model=None):
     """Mark ``variables`` as holding weights that DP training updated, with
     the ``ledger`` that counts those updates: a DP step traced them, or they
-    were loaded with a ledger holding DP updates. Any model then refuses to
-    train them with a non-DP optimizer
+    were loaded with a ledger holding DP updates (into ``model``). Any model
+    then refuses to train them with a non-DP optimizer
     (:func:`keras_dp_lm.training.fit_guards.check_training_is_private`).
     The variables hold the ledger itself, not a weak reference: a model built
-    on them after the training model is gone still finds those updates."""
+    on them after the training model is gone still finds those updates.
+    Then every listener (:func:`on_marked`) runs."""
     for variable in variables:
         ledgers = getattr(variable, _DP_TRAINED, None)
         if ledgers is None:
@@ -84,13 +101,9 @@ def mark_dp_trained(variables, ledger):
         if all(ledger is not held for held in ledgers):
             ledgers.append(ledger)
     _ANY_MARKED[0] = True
-    # Every registered model gets the guards (idempotent), holding these
-    # variables or not: one compiled earlier may take them later without a
-    # compile (``Sequential.add``, a layer assigned as an attribute). Models
-    # compiled from now on are guarded at compile.
-    from keras_dp_lm.training import binding  # pylint: disable=import-outside-toplevel
     with tf.init_scope():
-        binding.guard_registered_models()
+        for listener in list(_LISTENERS.values()):
+            listener(model)
 
 
 def is_dp_trained(variable):

@@ -21,9 +21,8 @@ private selection (Papernot & Steinke 2022; :mod:`keras_dp_lm.accounting.selecti
    seed nor its training loss (history, metrics). The run time and any
    ``verbose`` output do reveal the number of trials: keep them to yourself.
 
-As everywhere in this package, the number of records (and here the sizes of
-the two parts) is treated as public: the guarantee is add/remove-one with the
-dataset size known.
+The number of records N is public, as everywhere in this package; the parts'
+real sizes are not used (the plan and the score use ``validation_fraction * N``).
 
 Every trial uses the same noise multiplier, sampling rate and steps, calibrated
 so the whole search meets ``target_epsilon`` at ``delta``; after each trial the
@@ -96,9 +95,8 @@ class SearchResult:
             later releases about the same data.
         noise_multiplier, sampling_rate, steps, l2_norm_clip: every trial's.
         mean_trials, shape: the distribution of the number of trials.
-        validation_size: the expected number of held-out examples that scored
-            the trials, ``validation_fraction * N`` (public; the split's real
-            size, a count of private coins, is neither released nor used).
+        validation_size: ``validation_fraction * N``, the expected (public)
+            number of held-out examples; the split's real size is not released.
         score_noise_multiplier: the std of the noise on each trial's summed score.
     """
 
@@ -122,8 +120,7 @@ class SearchResult:
                 f"{self.mean_trials:g}, shape {self.shape:g}), each {self.steps} DP-Adam "
                 f"steps at q={self.sampling_rate:.4g}, noise multiplier "
                 f"{self.noise_multiplier:.4f}, clip {self.l2_norm_clip:g}, scored on "
-                f"about {self.validation_size:.0f} held-out private examples (the "
-                f"expected number; the score divides by it) with Gaussian noise. "
+                f"about {self.validation_size:.0f} held-out private examples with noise. "
                 f"Released: learning rate {self.candidate.learning_rate:g}, trainable "
                 f"{self.candidate.trainable!r}, noisy validation score {self.score:.4f}. "
                 f"The whole search spends epsilon {self.epsilon:.3f} at delta "
@@ -146,7 +143,6 @@ def _check_candidates(candidates):
 def _keras_loss(loss):
     """The default name stands for sparse categorical cross-entropy on logits."""
     import keras
-
     if loss == "sparse_categorical_crossentropy_from_logits":
         return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return loss
@@ -154,13 +150,11 @@ def _keras_loss(loss):
 
 def _rows(data, index):
     import tensorflow as tf
-
     return tf.nest.map_structure(lambda a: np.asarray(a)[index], data)
 
 
 def _num_rows(data):
     import tensorflow as tf
-
     sizes = {len(a) for a in tf.nest.flatten(data)}
     if len(sizes) != 1:
         raise ValueError(f"Every array of `x` and `y` must have the same rows, got {sizes}.")
@@ -234,10 +228,8 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     if not n_val or not len(train_index):
         raise ValueError("The random split left an empty validation or training part: use "
                          "more records or another `validation_fraction`.")
-    # Everything that shapes the search (batch, rate, noise, the score's divisor)
-    # comes from N and the fraction, public; never from the split's real sizes,
-    # counts of private coins (a divisor that moves with the data moves the
-    # released score by more than its noise was calibrated for).
+    # Batch, rate, noise and the score's divisor come from the public N and
+    # fraction, never from the split's real sizes (counts of private coins).
     planned_val = validation_fraction * n
     planned_train = max(1, int(round(n - planned_val)))
     if score_noise_multiplier is None:
@@ -394,8 +386,9 @@ def _check_applied(ledger, sigma, q, steps):
     """The trial's ledger against the accounted trial: ``steps`` updates, each at
     noise >= sigma and rate <= q (else the search's epsilon would be wrong)."""
     rows = ledger.rows()
-    ok = (sum(r[3] for r in rows) == steps
-          and all(r[0] >= sigma * (1 - 1e-9) and 0 < r[1] <= q * (1 + 1e-9) for r in rows))
+    ok = sum(row.updates for row in rows) == steps and all(
+        row.noise_multiplier >= sigma * (1 - 1e-9) and 0 < row.sampling_rate <= q * (1 + 1e-9)
+        for row in rows)
     if not ok:
         raise RuntimeError(
             f"A search trial applied updates the search did not account for (ledger rows "
