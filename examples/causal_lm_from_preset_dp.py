@@ -83,7 +83,7 @@ def main(argv=None):
                weighted_metrics=[])
     ds = (tf.data.Dataset.from_tensor_slices(train).shuffle(len(train), seed=args.seed)
           .repeat().batch(args.batch_size, drop_remainder=True))
-    accountant = accounting.PrivacyAccountant(
+    accountant = kdp.PrivacyAccountant(
         target_epsilon=args.target_epsilon, delta=args.delta, dataset_size=len(train),
         batch_size=args.batch_size, sampling="shuffle")
     start = time.time()
