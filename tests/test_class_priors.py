@@ -270,3 +270,26 @@ def test_refusals_name_the_problem():
         LASCCE([0.5, 0.5], tau=-1.0)
     with pytest.raises(ValueError, match="positive numbers"):
         LASCCE([1.0, 0.0])
+
+
+def test_the_accountant_refuses_a_loss_whose_priors_release_it_does_not_count():
+    """The priors live in the loss, where the accountant cannot walk to them as it
+    does to layers: the loss carries its release's event, and an accountant
+    without it among extra_events refuses before any update."""
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(1)
+    y = (rng.uniform(size=400) < 0.2).astype("int32")
+    x = rng.normal(size=(400, 4)).astype("float32")
+    priors = DPClassPriors(2, seed=0)
+    priors.release(y)
+    recipe = suggest_recipe(len(y), 3.0, 1e-6, epochs=5, min_steps=5, trainable="head")
+    head = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    head.compile(optimizer=recipe.optimizer(seed=0), loss=LASCCE(priors))
+    batches = recipe.poisson_batches((x, y), seed=0)
+    with pytest.raises(PrivacyRefusalError, match=r"priors.dp_event\(\)"):
+        head.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches, verbose=0)],
+                 verbose=0)
+    assert ledger_of(head).updates == 0  # refused before any update
+    # public priors (a plain vector) carry no release
+    assert LASCCE([0.8, 0.2]).release_event is None

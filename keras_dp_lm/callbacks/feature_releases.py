@@ -39,4 +39,25 @@ def check_feature_releases(model, extra_events, unit, applied=0):
                 "extra_events: pass PrivacyAccountant(extra_events=[layer.dp_event()]) "
                 "(suggest_recipe(extra_events=[layer.dp_event()]) after the last adapt "
                 "does it for recipe.accountant()).")
+    for loss in _losses(getattr(model, "loss", None)):
+        event = getattr(loss, "release_event", None)
+        if event is None:
+            continue
+        if event in accounted:
+            accounted.remove(event)
+        else:
+            raise PrivacyRefusalError(
+                f"The loss {getattr(loss, 'name', loss)!r} uses class priors released from "
+                "this training data (DPClassPriors), and that release is not in the "
+                "accountant's extra_events: pass PrivacyAccountant(extra_events=[priors."
+                "dp_event()]) (or suggest_recipe(extra_events=[...]) after the release).")
     return pending
+
+
+def _losses(loss):
+    """The loss objects of a compiled ``loss`` (one, or a list / dict of them)."""
+    if isinstance(loss, dict):
+        return [item for value in loss.values() for item in _losses(value)]
+    if isinstance(loss, (list, tuple)):
+        return [item for value in loss for item in _losses(value)]
+    return [] if loss is None else [loss]

@@ -250,6 +250,9 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         if not np.isfinite(tau) or tau < 0:
             raise ValueError(f"`tau` must be a finite number >= 0, got {tau!r}.")
         self.priors = _as_priors(priors)
+        # The release these priors came from, which the PrivacyAccountant requires
+        # among its extra_events (a plain vector is taken as public priors).
+        self.release_event = priors.dp_event() if isinstance(priors, DPClassPriors) else None
         self.tau = tau
         self.class_weighting = bool(class_weighting)
         self.from_logits = True
