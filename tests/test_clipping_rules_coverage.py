@@ -299,7 +299,7 @@ _FAMILY_NORMS = ["Gemma3RMSNormalization", "MistralLayerNormalization",
 
 
 def _family_norm(name, **kwargs):
-    from keras_dp_lm.training.keras_internals import keras_hub_layer
+    from keras_dp_lm._keras_internals import keras_hub_layer
     layer_class = keras_hub_layer(name)
     assert layer_class is not None, f"KerasHub no longer has {name}"
     return layer_class(epsilon=0.5, **kwargs)   # large: the rule must use the layer's own
@@ -347,7 +347,7 @@ def test_family_rms_norm_with_another_call_is_exact():
     not matched: exact per-example gradients, and the result still matches."""
     from keras_dp_lm.clipping import register_clipping_rule
     from keras_dp_lm.clipping.registry import _rules
-    from keras_dp_lm.training.keras_internals import keras_hub_layer
+    from keras_dp_lm._keras_internals import keras_hub_layer
     from keras import ops
 
     base = keras_hub_layer("MistralLayerNormalization")

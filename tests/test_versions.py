@@ -1,6 +1,6 @@
 """The supported Keras / KerasHub / TensorFlow versions are named once and agree (issue 39).
 
-``keras_dp_lm/training/keras_internals.py`` names the Keras and KerasHub minors whose
+``keras_dp_lm/_keras_internals.py`` names the Keras and KerasHub minors whose
 private API it was checked against (``TESTED_KERAS``, ``TESTED_KERAS_HUB``);
 ``pyproject.toml`` declares the ranges users install from; ``ci/oldest-constraints.txt``
 and ``ci/newest-constraints.txt`` pin the two ends that ``make test`` runs (the fast
@@ -17,7 +17,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from keras_dp_lm.training import keras_internals
+from keras_dp_lm import _keras_internals as keras_internals
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK = ("keras", "keras-hub", "keras-nlp", "tensorflow", "tensorflow-text")

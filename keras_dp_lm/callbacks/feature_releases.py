@@ -3,7 +3,7 @@
 
 from keras_dp_lm.data.feature_normalization import is_release_layer
 from keras_dp_lm.errors import PrivacyRefusalError
-from keras_dp_lm.training.keras_internals import flatten_layers
+from keras_dp_lm._keras_internals import flatten_layers
 
 
 def check_feature_releases(model, extra_events, unit, applied=0):

@@ -38,6 +38,9 @@ from keras_dp_lm.clipping.interface import sum_user_rows
 from keras_dp_lm.clipping.interface import user_slot_mask
 from keras_dp_lm.clipping.registry import register_clipping_rule
 
+# The built-in rules register themselves (through the public decorator) on import.
+from keras_dp_lm.clipping import rules  # noqa: E402,F401  pylint: disable=unused-import
+
 __all__ = [
     "ClippedSum",
     "UncoveredLayersError",

@@ -14,6 +14,7 @@ import threading
 
 import tensorflow as tf
 
+from keras_dp_lm._keras_internals import flatten_layers
 from keras_dp_lm.clipping._common import _layer_desc
 from keras_dp_lm.clipping._common import original_call
 from keras_dp_lm.clipping._common import _var_path
@@ -29,8 +30,6 @@ class _Plan:
         self.layers = {}      # id(layer) -> (layer, rule)
         self.covered = {}     # id(var) -> (layer, rule)
         owners = {}
-        from keras_dp_lm.training.keras_internals import flatten_layers  # no import cycle
-
         for layer in flatten_layers(model, include_self=True):
             for v in getattr(layer, "_trainable_variables", []):
                 owners.setdefault(id(v), layer)

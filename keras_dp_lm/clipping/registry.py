@@ -4,19 +4,22 @@ from keras_dp_lm.clipping._common import _plain
 from keras_dp_lm.clipping._common import lora_enabled
 
 _RULES_BY_CLASS = {}
-# The built-in rules register themselves on import (the end of this module);
-# those for KerasHub's classes on first use (_rules).
-_BUILTINS = {"importing": True, "keras_hub": False}
+# Registrations deferred to first use: ``keras_dp_lm.clipping.rules`` defers
+# those of KerasHub's classes (finding them imports KerasHub, which
+# ``import keras_dp_lm`` does not), through ``register_on_first_use``.
+_DEFERRED = []
+
+
+def register_on_first_use(register):
+    """Run ``register()`` (which registers rules) once, before the next lookup
+    or registration, so a user's later registration of the same class wins."""
+    _DEFERRED.append(register)
 
 
 def _rules():
-    """``_RULES_BY_CLASS``, the built-in rules for KerasHub's classes registered
-    (once, before any other registration: keras_dp_lm.training.keras_internals,
-    which finds them, cannot be imported while keras_dp_lm.clipping is)."""
-    if not _BUILTINS["importing"] and not _BUILTINS["keras_hub"]:
-        _BUILTINS["keras_hub"] = True
-        from keras_dp_lm.clipping.rules import register_keras_hub_rules
-        register_keras_hub_rules()
+    """``_RULES_BY_CLASS``, after running the deferred registrations."""
+    while _DEFERRED:
+        _DEFERRED.pop(0)()
     return _RULES_BY_CLASS
 
 
@@ -86,10 +89,3 @@ def _rule_for(layer):
         return rule if rule is not None and rule.matches(layer) else None
     except AttributeError:
         return None
-
-
-# The built-in rules register themselves with the decorator above, in the
-# order rules/__init__.py imports them.
-import keras_dp_lm.clipping.rules  # noqa: E402,F401
-
-_BUILTINS["importing"] = False

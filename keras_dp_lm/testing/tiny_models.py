@@ -329,7 +329,7 @@ def _scoped_seed(seed):
     Both are restored on exit so callers' unseeded randomness is untouched.
     """
     import keras
-    from keras_dp_lm.training import keras_internals
+    from keras_dp_lm import _keras_internals as keras_internals
 
     state = _python_random.getstate()
     previous = keras_internals.global_seed_generator()

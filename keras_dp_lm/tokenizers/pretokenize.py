@@ -36,7 +36,7 @@ def _pretokenize_batch(strings, lowercase, strip_accents, nfkc):
     import tensorflow_text as tf_text  # noqa: PLC0415
     # The exact function KerasHub's WordPieceTokenizer calls on its input, so the
     # histogram's words are the words the tokenizer will see.
-    from keras_dp_lm.training import keras_internals  # noqa: PLC0415
+    from keras_dp_lm import _keras_internals as keras_internals  # noqa: PLC0415
 
     pretokenize = keras_internals.keras_hub_pretokenize()
 

@@ -2,7 +2,7 @@
 
 After ``model.compile(optimizer=<DP optimizer>)``, ``model.fit`` runs
 :func:`dp_train_step`; :func:`make_private` returns it for custom loops.
-Every touch of Keras's private API is in :mod:`keras_dp_lm.training.keras_internals`.
+Every touch of Keras's private API is in :mod:`keras_dp_lm._keras_internals`.
 """
 
 from keras_dp_lm.training.fit_guards import allow_non_private_fit

@@ -9,7 +9,7 @@ batch to whole micro-batches and split it into them.
 import keras
 import tensorflow as tf
 
-from keras_dp_lm.training import keras_internals as internals
+from keras_dp_lm import _keras_internals as internals
 from keras_dp_lm.data import split_real_slots
 from keras_dp_lm.errors import PrivacyRefusalError
 

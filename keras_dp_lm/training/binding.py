@@ -24,7 +24,7 @@ Not covered: a model compiled before ``import keras_dp_lm`` (the patched
 (``keras.Model.fit(model, ...)``), which skip its instance attributes.
 
 Every touch of Keras's private API is in
-:mod:`keras_dp_lm.training.keras_internals`.
+:mod:`keras_dp_lm._keras_internals`.
 """
 
 import contextlib
@@ -35,7 +35,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp_lm.training import fit_guards
-from keras_dp_lm.training import keras_internals as internals
+from keras_dp_lm import _keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training import save_guards
 from keras_dp_lm.training.model_ledgers import ledger_of

@@ -51,7 +51,7 @@ import tensorflow as tf
 from keras_dp_lm.accounting.events import LedgerRow
 from keras_dp_lm.accounting.overflow import bernstein_excess
 from keras_dp_lm.errors import PrivacyRefusalError
-from keras_dp_lm.training import keras_internals
+from keras_dp_lm import _keras_internals as keras_internals
 from keras_dp_lm.training.ledger_rows import COLUMNS
 from keras_dp_lm.training.ledger_rows import MAX_ROWS
 from keras_dp_lm.training.ledger_rows import PRIVACY_UNITS

@@ -12,13 +12,13 @@ batched pass, and the tests check it against that definition.
 import tensorflow as tf
 from keras import ops
 
-from keras_dp_lm.training.keras_internals import Trainer
-from keras_dp_lm.training.keras_internals import call_has_training_arg
-from keras_dp_lm.training.keras_internals import compiled_loss_terms
-from keras_dp_lm.training.keras_internals import get_keras_mask
-from keras_dp_lm.training.keras_internals import squeeze_or_expand_to_same_rank
-from keras_dp_lm.training.keras_internals import standardize_reduction
-from keras_dp_lm.training.keras_internals import tree
+from keras_dp_lm._keras_internals import Trainer
+from keras_dp_lm._keras_internals import call_has_training_arg
+from keras_dp_lm._keras_internals import compiled_loss_terms
+from keras_dp_lm._keras_internals import get_keras_mask
+from keras_dp_lm._keras_internals import squeeze_or_expand_to_same_rank
+from keras_dp_lm._keras_internals import standardize_reduction
+from keras_dp_lm._keras_internals import tree
 from keras_dp_lm.errors import PrivacyRefusalError
 
 _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")

@@ -10,7 +10,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from keras_dp_lm.training import keras_internals
+from keras_dp_lm import _keras_internals as keras_internals
 from keras_dp_lm.training.ledger import PrivacyLedger
 from keras_dp_lm.training.weight_marks import marking_ledgers
 from keras_dp_lm.training.weight_marks import register_model

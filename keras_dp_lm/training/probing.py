@@ -11,7 +11,7 @@ import itertools
 import tensorflow as tf
 
 from keras_dp_lm import clipping as clipping_module
-from keras_dp_lm.training import keras_internals as internals
+from keras_dp_lm import _keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training.batches import _micro_batch_rows
 from keras_dp_lm.training.batches import _unpack

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from keras_dp_lm.clipping.exact import tf_variable
 from keras_dp_lm.clipping.interface import clip_factors
-from keras_dp_lm.training import keras_internals as internals
+from keras_dp_lm import _keras_internals as internals
 from keras_dp_lm.training.state_writes import seed_states
 from keras_dp_lm.training.state_writes import without_state_updates
 from keras_dp_lm.errors import PrivacyRefusalError

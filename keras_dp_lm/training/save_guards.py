@@ -32,7 +32,7 @@ import types
 
 from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.optimizers import is_dp_optimizer
-from keras_dp_lm.training import keras_internals
+from keras_dp_lm import _keras_internals as keras_internals
 from keras_dp_lm.training.weight_marks import is_dp_trained
 from keras_dp_lm.training.weight_marks import on_marked
 from keras_dp_lm.training.model_ledgers import ledger_of

@@ -9,7 +9,7 @@ refuses it if it wrote any model variable other than a random seed state
 
 import tensorflow as tf
 
-from keras_dp_lm.training import keras_internals as internals
+from keras_dp_lm import _keras_internals as internals
 from keras_dp_lm.errors import PrivacyRefusalError
 
 _WRITE_OPS = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from keras_dp_lm import clipping as clipping_module
 from keras_dp_lm.training import fit_guards
-from keras_dp_lm.training import keras_internals as internals
+from keras_dp_lm import _keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training import save_guards
 from keras_dp_lm.training.batches import _batch_rate

@@ -209,7 +209,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
     from keras_dp_lm.callbacks import PrivacyAccountant
     from keras_dp_lm.data import poisson_batches
     from keras_dp_lm.optimizers import DPAdam
-    from keras_dp_lm.training import keras_internals
+    from keras_dp_lm import _keras_internals as keras_internals
     from keras_dp_lm.training.model_ledgers import ledger_of
     from keras_dp_lm.training.model_ledgers import sharing_ledgers
 

@@ -14,10 +14,13 @@ output gradient. It has four static methods:
 
 Each rule binds itself to exact classes with the public decorator
 :func:`keras_dp_lm.clipping.register_clipping_rule`, as a custom rule does;
-importing this package registers them all (:mod:`keras_dp_lm.clipping.registry`
+importing this package registers them all (:mod:`keras_dp_lm.clipping`
 imports it; KerasHub's classes are registered on first use,
 :func:`register_keras_hub_rules`).
 """
+
+from keras_dp_lm._keras_internals import keras_hub_layer
+from keras_dp_lm.clipping.registry import register_on_first_use
 
 from keras_dp_lm.clipping.rules import dense  # noqa: F401
 from keras_dp_lm.clipping.rules import einsum_dense  # noqa: F401
@@ -30,12 +33,12 @@ from keras_dp_lm.clipping.rules import masked_lm_head  # noqa: F401
 def register_keras_hub_rules():
     """Register the built-in rules for KerasHub's layer classes.
 
-    They are found through :mod:`keras_dp_lm.training.keras_internals`, which
-    cannot be imported while :mod:`keras_dp_lm.clipping` is (``keras_dp_lm.training``
-    imports it), so :mod:`keras_dp_lm.clipping.registry` calls this on first use.
+    Finding them (:func:`keras_dp_lm._keras_internals.keras_hub_layer`) imports
+    KerasHub, so this runs on the registry's first use, not on import.
     """
-    from keras_dp_lm.training.keras_internals import keras_hub_layer
-
     embedding.register_keras_hub_rules(keras_hub_layer)
     normalization.register_keras_hub_rules(keras_hub_layer)
     masked_lm_head.register_keras_hub_rules(keras_hub_layer)
+
+
+register_on_first_use(register_keras_hub_rules)

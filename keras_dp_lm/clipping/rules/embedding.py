@@ -178,7 +178,7 @@ if hasattr(keras.layers, "ReversibleEmbedding"):
 
 def register_keras_hub_rules(keras_hub_layer):
     """Register this module's rules for KerasHub's layer classes (``keras_hub_layer``:
-    :func:`keras_dp_lm.training.keras_internals.keras_hub_layer`)."""
+    :func:`keras_dp_lm._keras_internals.keras_hub_layer`)."""
     position = keras_hub_layer("PositionEmbedding")
     if position is not None:
         register_clipping_rule(position)(_PositionEmbeddingRule)

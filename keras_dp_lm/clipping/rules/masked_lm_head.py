@@ -78,7 +78,7 @@ class _MaskedLMHeadRule:
 
 def register_keras_hub_rules(keras_hub_layer):
     """Register this module's rules for KerasHub's layer classes (``keras_hub_layer``:
-    :func:`keras_dp_lm.training.keras_internals.keras_hub_layer`)."""
+    :func:`keras_dp_lm._keras_internals.keras_hub_layer`)."""
     head = keras_hub_layer("MaskedLMHead")
     if head is not None:
         register_clipping_rule(head)(_MaskedLMHeadRule)

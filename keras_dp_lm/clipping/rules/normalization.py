@@ -9,6 +9,7 @@ import textwrap
 import keras
 import tensorflow as tf
 
+from keras_dp_lm._keras_internals import keras_hub_layer
 from keras_dp_lm.clipping._common import original_call
 from keras_dp_lm.clipping.contributions import PerExample
 from keras_dp_lm.clipping.registry import register_clipping_rule
@@ -131,8 +132,6 @@ class _RMSNormRule:
 
     @staticmethod
     def _kind(layer):
-        from keras_dp_lm.training.keras_internals import keras_hub_layer  # an import cycle
-
         t = type(layer).call
         llama = keras_hub_layer("LlamaLayerNorm")
         if llama is not None and t is llama.call:
@@ -330,7 +329,7 @@ _CHECKED_RMS_NORMS = (
 
 def register_keras_hub_rules(keras_hub_layer):
     """Register this module's rules for KerasHub's layer classes (``keras_hub_layer``:
-    :func:`keras_dp_lm.training.keras_internals.keras_hub_layer`)."""
+    :func:`keras_dp_lm._keras_internals.keras_hub_layer`)."""
     for name in ("LlamaLayerNorm", "RMSNormalization", "GemmaRMSNormalization"):
         layer_class = keras_hub_layer(name)
         if layer_class is not None:

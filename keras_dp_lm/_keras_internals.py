@@ -46,7 +46,7 @@ def _check_version(version):
             f"keras_dp_lm relies on Keras internals tested with Keras "
             f"{', '.join(TESTED_KERAS)}.x, but Keras {version} is installed. Install "
             f"a Keras in that range (see pyproject.toml), or check "
-            "keras_dp_lm/training/keras_internals.py against the new version and "
+            "keras_dp_lm/_keras_internals.py against the new version and "
             "extend TESTED_KERAS.")
 
 
