@@ -243,6 +243,22 @@ def test_saving_keeps_the_loss_and_its_priors(tmp_path):
     np.testing.assert_allclose(loss.priors, [0.75, 0.25])
     assert (loss.tau, loss.class_weighting) == (0.5, True)
     assert float(loss(y, model(x))) == pytest.approx(float(model.loss(y, model(x))), rel=1e-6)
+    assert loss.release_event is None   # public priors: no release to carry
+
+
+def test_a_reloaded_loss_still_carries_its_release(tmp_path):
+    """Saved and loaded, the loss still names the release its priors came from,
+    so the accountant still refuses a fit that leaves it out."""
+    priors = DPClassPriors(2, noise_multiplier=5.0, seed=0)
+    priors.release([0] * 30 + [1] * 10)
+    priors.release([0] * 30 + [1] * 10)
+    model = _head()
+    model.compile(optimizer="sgd", loss=LASCCE(priors))
+    path = tmp_path / "head.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path).loss
+    assert loaded.release_event == priors.dp_event()   # both releases, at sigma 5
+    np.testing.assert_allclose(loaded.priors, priors.priors)
 
 
 def test_refusals_name_the_problem():

@@ -104,6 +104,39 @@ def test_invalid_arguments_name_the_argument(kwargs, name):
         kdp.DPAdam(learning_rate=1e-3, **kwargs)
 
 
+@pytest.mark.parametrize("name,value", [("noise_multiplier", -1.0), ("l2_norm_clip", 0.0),
+                                        ("expected_batch_size", float("nan")),
+                                        ("clipping", "ghostly"),
+                                        ("dp_accumulation_steps", 0)])
+def test_a_parameter_set_before_training_is_validated_like_the_constructor(name, value):
+    optimizer = kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
+    before = optimizer.privacy_parameters
+    with pytest.raises(ValueError):
+        setattr(optimizer, name, value)
+    assert optimizer.privacy_parameters is before
+
+
+def test_the_step_reads_one_frozen_parameter_object():
+    """Clipping, noise and ledger read the object freeze_privacy_parameters
+    returns; apply_clipped_sum refuses any other (an equal copy included)."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = kdp.DPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=2.0, seed=3)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"), batch_size=4, verbose=0)
+    params = optimizer.privacy_parameters
+    assert optimizer.freeze_privacy_parameters() is params
+    assert (params.l2_norm_clip, params.noise_multiplier, params.noise_std) == (0.5, 2.0, 1.0)
+    assert kdp.ledger_of(model).rows()[0].noise_multiplier == params.noise_multiplier
+    copy = params.with_values()
+    assert copy == params and copy is not params
+    zeros = [tf.zeros_like(v) for v in model.trainable_variables]
+    with pytest.raises(kdp.PrivacyRefusalError, match="freeze_privacy_parameters"):
+        optimizer.apply_clipped_sum(copy, zeros, model.trainable_variables, 4.0, 1)
+    with pytest.raises(kdp.PrivacyRefusalError, match="freeze_privacy_parameters"):
+        kdp.DPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=2.0).apply_clipped_sum(
+            params, zeros, model.trainable_variables, 4.0, 1)
+
+
 def test_make_dp_optimizer_keeps_base_settings():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
     opt = kdp.make_dp_optimizer(keras.optimizers.Lion(schedule, beta_1=0.8),

@@ -201,8 +201,9 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
     # -- resolution of the training parameters -----------------------------
     def _resolve(self):
         optimizer = _dp_optimizer_of(self.model)
-        sigma = check_noise(float(optimizer.noise_multiplier))
-        expected = getattr(optimizer, "expected_batch_size", None)
+        params = optimizer.privacy_parameters   # the step freezes this same object
+        sigma = check_noise(params.noise_multiplier)
+        expected = params.expected_batch_size
         if self._batches_rate is not None:
             batch = self._batches_rate * self.dataset_size
             batch_source = "batches (poisson_batches)"
@@ -252,10 +253,8 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         return {
             "optimizer": optimizer,
             "noise_multiplier": sigma,
-            "l2_norm_clip": float(getattr(optimizer, "l2_norm_clip", float("nan"))),
-            "gradient_accumulation_steps": getattr(
-                optimizer, "dp_accumulation_steps",
-                getattr(optimizer, "gradient_accumulation_steps", 1)) or 1,
+            "l2_norm_clip": params.l2_norm_clip,
+            "gradient_accumulation_steps": params.accumulation_steps,
             "batch_size": batch,
             "batch_size_source": batch_source,
             "sampling_rate": rate,

@@ -178,9 +178,13 @@ class DPClassPriors:
     def dp_event(self):
         """The ``dp_accounting`` event of every release (the planned one before the
         first): ``GaussianDpEvent(noise_multiplier / release_sensitivity())`` each."""
-        one = dp_accounting.GaussianDpEvent(self.noise_multiplier / release_sensitivity())
-        count = max(self.num_releases, 1)
-        return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
+        return _releases_event(self.noise_multiplier, max(self.num_releases, 1))
+
+
+def _releases_event(noise_multiplier, count):
+    """The event of ``count`` histogram releases at ``noise_multiplier``."""
+    one = dp_accounting.GaussianDpEvent(noise_multiplier / release_sensitivity())
+    return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
 
     def class_weights(self):
         """``min(priors) / priors``: weight 1 for the rarest class, in ``(0, 1]``."""
@@ -252,10 +256,18 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         self.priors = _as_priors(priors)
         # The release these priors came from, which the PrivacyAccountant requires
         # among its extra_events (a plain vector is taken as public priors).
-        self.release_event = priors.dp_event() if isinstance(priors, DPClassPriors) else None
+        # It is saved with the loss (get_config), so a reloaded model still needs it.
+        self._release = ((priors.noise_multiplier, max(priors.num_releases, 1))
+                         if isinstance(priors, DPClassPriors) else None)
         self.tau = tau
         self.class_weighting = bool(class_weighting)
         self.from_logits = True
+
+    @property
+    def release_event(self):
+        """The ``dp_accounting`` event of the release the priors came from, or
+        None for priors given as a vector (taken as public)."""
+        return None if self._release is None else _releases_event(*self._release)
 
     def call(self, y_true, y_pred):
         ops = keras.ops
@@ -275,7 +287,19 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         config = super().get_config()
         config.update(priors=[float(p) for p in self.priors], tau=self.tau,
                       class_weighting=self.class_weighting, from_logits=True)
+        if self._release is not None:
+            config["release"] = {"noise_multiplier": self._release[0],
+                                 "releases": self._release[1]}
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        release = config.pop("release", None)
+        loss = cls(**config)
+        if release is not None:
+            loss._release = (float(release["noise_multiplier"]), int(release["releases"]))
+        return loss
 
 
 __all__ = ["DPClassPriors", "LogitAdjustedSparseCategoricalCrossentropy",

@@ -21,9 +21,10 @@ from keras_dp_lm.optimizers.dp_optimizer import DPOptimizer
 from keras_dp_lm.optimizers.dp_optimizer import is_dp_optimizer
 from keras_dp_lm.optimizers.dp_optimizer import make_dp_optimizer
 from keras_dp_lm.optimizers.noise_corrected_adam import NoiseCorrectedAdam
+from keras_dp_lm.optimizers.privacy_parameters import PrivacyParameters
 
 __all__ = ["CLIPPING_METHODS", "DPAdam", "DPAdamBC", "DPAdamW", "DPOptimizer", "DPSGD",
-           "NoiseCorrectedAdam", "is_dp_optimizer", "make_dp_optimizer"]
+           "NoiseCorrectedAdam", "PrivacyParameters", "is_dp_optimizer", "make_dp_optimizer"]
 
 
 from keras_dp_lm._activation import activate_if_pending as _activate_if_pending  # noqa: E402

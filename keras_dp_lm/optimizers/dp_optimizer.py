@@ -5,8 +5,10 @@ A DP optimizer wraps an inner Keras optimizer (as Keras's
 (``l2_norm_clip``, ``noise_multiplier``), gradient accumulation, the noise and
 the division by the logical batch size. The per-example work (losses,
 gradients, clipping) happens in the DP train step (:mod:`keras_dp_lm.training`),
-which hands the clipped sum to :meth:`DPOptimizer._apply_clipped_sum`; any
-other route to ``apply_gradients`` raises. It serializes by its registered name
+which hands the clipped sum to :meth:`DPOptimizer.apply_clipped_sum`; any
+other route to ``apply_gradients`` raises. The privacy parameters are one
+frozen :class:`~keras_dp_lm.optimizers.PrivacyParameters`, read from that one
+object by the clipping, the noise and the ledger. It serializes by its registered name
 with the inner optimizer's config, so a model compiled with any Keras optimizer
 (``Lion``, ``Adafactor``, ...) reloads in a fresh process.
 
@@ -25,7 +27,6 @@ it to take the noise out of Adam's second moment).
 """
 
 import contextlib
-import math
 import os
 import threading
 
@@ -34,33 +35,14 @@ import tensorflow as tf
 
 from keras_dp_lm.clipping.interface import sum_dtype
 from keras_dp_lm.errors import PrivacyRefusalError
-
-CLIPPING_METHODS = ("auto", "fast", "exact")
+from keras_dp_lm.optimizers.privacy_parameters import CLIPPING_METHODS  # noqa: F401 (public here)
+from keras_dp_lm.optimizers.privacy_parameters import PrivacyParameters
 _KERAS_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
 # Base-optimizer arguments a wrapper does not take (set them on the inner one).
 _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None,
                   "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
                   "ema_overwrite_frequency": None, "loss_scale_factor": None,
                   "gradient_accumulation_steps": None, "learning_rate": None}
-
-
-def _check_positive(name, value, allow_zero=False):
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a number, got {value!r}.") from None
-    if math.isnan(number) or math.isinf(number):
-        raise ValueError(f"`{name}` must be finite, got {value!r}.")
-    if number < 0 or (number == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"`{name}` must be {bound}, got {value!r}.")
-    return number
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    return int(value)
 
 
 def _check_inner(optimizer):
@@ -95,19 +77,23 @@ def _check_inner(optimizer):
             "one: a DP step accumulates micro-batches of one logical batch.")
 
 
-def _privacy_parameter(name):
+def _privacy_parameter(name, field=None):
+    """A property reading ``field`` (default ``name``) of the optimizer's
+    :class:`PrivacyParameters`; settable (validated) until the step freezes them."""
+    field = field or name
+
     def get(self):
-        return self._privacy[name]
+        return getattr(self._privacy, field)
 
     def set_(self, value):
         if self.__dict__.get("_privacy_frozen"):
             raise AttributeError(
                 f"`{name}` is frozen: the DP train step was traced with "
-                f"{name}={self._privacy[name]!r}, and what the accountant counts must "
-                "be what the step applies. To train on with other privacy parameters, "
+                f"{name}={getattr(self._privacy, field)!r}, and what the accountant counts "
+                "must be what the step applies. To train on with other privacy parameters, "
                 "build a new DP optimizer and compile again; the model's privacy "
                 "ledger (keras_dp_lm.ledger_of(model)) keeps counting every update.")
-        self._privacy[name] = value
+        self._privacy = self._privacy.with_values(**{field: value})
     return property(get, set_, doc=f"``{name}`` (read-only once the DP step is traced).")
 
 
@@ -169,21 +155,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if kwargs:
             raise ValueError(f"DPOptimizer does not take {sorted(kwargs)}.")
         _check_inner(inner_optimizer)
-        privacy = {
-            "l2_norm_clip": _check_positive("l2_norm_clip", l2_norm_clip),
-            "noise_multiplier": _check_positive("noise_multiplier", noise_multiplier,
-                                                allow_zero=True),
-            "dp_accumulation_steps": _check_positive_int(
-                "gradient_accumulation_steps",
-                1 if gradient_accumulation_steps is None else gradient_accumulation_steps),
-            "expected_batch_size": (None if expected_batch_size is None else
-                                    _check_positive("expected_batch_size",
-                                                    expected_batch_size)),
-            "clipping": clipping,
-        }
-        if clipping not in CLIPPING_METHODS:
-            raise ValueError(
-                f"`clipping` must be one of {CLIPPING_METHODS}, got {clipping!r}.")
+        privacy = PrivacyParameters(
+            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+            accumulation_steps=gradient_accumulation_steps,
+            expected_batch_size=expected_batch_size, clipping=clipping)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be an integer or None, got {seed!r}.")
         super().__init__(learning_rate=0.0, name=name or f"dp_{inner_optimizer.name}")
@@ -206,13 +181,20 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     l2_norm_clip = _privacy_parameter("l2_norm_clip")
     noise_multiplier = _privacy_parameter("noise_multiplier")
-    dp_accumulation_steps = _privacy_parameter("dp_accumulation_steps")
+    dp_accumulation_steps = _privacy_parameter("dp_accumulation_steps", "accumulation_steps")
     expected_batch_size = _privacy_parameter("expected_batch_size")
     clipping = _privacy_parameter("clipping")
 
+    @property
+    def privacy_parameters(self):
+        """The :class:`~keras_dp_lm.optimizers.PrivacyParameters` of the next update."""
+        return self._privacy
+
     def freeze_privacy_parameters(self):
-        """Make the privacy parameters read-only (called when the DP step is traced)."""
+        """Make the privacy parameters read-only and return them (the DP step calls
+        this once per trace and reads every privacy value from what it returns)."""
         self._privacy_frozen = True
+        return self._privacy
 
     # -- delegation to the inner optimizer -----------------------------------
     def build(self, var_list):
@@ -260,10 +242,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.apply(grads, trainable_variables)
 
     # -- noise -----------------------------------------------------------------
-    def noise_stddev_per_replica(self, num_replicas):
-        """Std of the noise each replica adds so that the sum has ``sigma * C``."""
-        return self.noise_multiplier * self.l2_norm_clip / math.sqrt(num_replicas)
-
     def drop_noise_seed(self):
         """Forget the noise seed. Whoever holds this optimizer object can otherwise
         regenerate every noise draw it added and subtract it from the model's
@@ -272,11 +250,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         optimizer then refuses further updates; compile with a new one."""
         self._noise_seed = None
 
-    def _noise_like(self, grads, replica_id, num_replicas, update_index):
-        """Gaussian noise for each of ``grads``, from the seed folded with
-        ``update_index`` (the model's ledger count: a recompiled optimizer with
-        the same ``seed`` continues the sequence, it never replays it) and the
-        replica."""
+    def _noise_like(self, grads, replica_id, num_replicas, update_index, params=None):
+        """Gaussian noise of std ``params.noise_std_per_replica(num_replicas)``
+        (``params`` default: this optimizer's) for each of ``grads``, from the
+        seed folded with ``update_index`` (the model's ledger count: a recompiled
+        optimizer with the same ``seed`` continues the sequence, it never replays
+        it) and the replica."""
         if self._noise_seed is None:
             raise PrivacyRefusalError(
                 "This DP optimizer's noise seed was dropped (drop_noise_seed): it cannot "
@@ -286,20 +265,25 @@ class DPOptimizer(keras.optimizers.Optimizer):
         seed = tf.random.experimental.stateless_fold_in(
             seed, tf.cast(update_index, tf.int64))
         seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(replica_id, tf.int64))
-        stddev = self.noise_stddev_per_replica(num_replicas)
+        stddev = (params or self._privacy).noise_std_per_replica(num_replicas)
         return [tf.random.stateless_normal(
             tf.shape(grad), seed=tf.random.experimental.stateless_fold_in(seed, index),
             stddev=stddev, dtype=grad.dtype) for index, grad in enumerate(grads)]
 
-    def _apply_clipped_sum(self, clipped_sum, trainable_variables, local_batch_size,
-                           update_index, public_gradients=None):
+    def apply_clipped_sum(self, params, clipped_sum, trainable_variables, local_batch_size,
+                          update_index, public_gradients=None):
         """Noise, normalise and apply a clipped per-example gradient sum.
 
-        Called only by the DP train step, in replica context, once per logical
-        batch. It cannot check that its input was clipped per example, so it is
-        not public API: custom loops use ``keras_dp_lm.make_private(model)``.
+        The DP train step calls this, in replica context, once per logical
+        batch. It cannot check that its input was clipped per example: custom
+        loops use the step ``keras_dp_lm.make_private(model)`` returns, which
+        clips, records the update in the model's ledger and then calls this.
 
         Args:
+            params: the :class:`~keras_dp_lm.optimizers.PrivacyParameters` that
+                :meth:`freeze_privacy_parameters` returned to the caller (who
+                clipped at ``params.l2_norm_clip`` and records
+                ``params.noise_multiplier``); anything else is refused.
             clipped_sum: list of tensors, the sum over this replica's examples of
                 their clipped gradients (no noise, not divided).
             trainable_variables: the variables the sum belongs to.
@@ -309,6 +293,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
             public_gradients: optional gradients of a data-independent term
                 (weight regularisation), added after the noised average.
         """
+        if params is not self._privacy or not self._privacy_frozen:
+            raise PrivacyRefusalError(
+                "apply_clipped_sum takes the PrivacyParameters that this optimizer's "
+                "freeze_privacy_parameters() returned, so that the noise drawn here is "
+                "the noise the caller clipped for and records in the ledger.")
         ctx = tf.distribute.get_replica_context()
         if ctx is None:
             raise RuntimeError(
@@ -328,11 +317,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # bfloat16 noise takes a few thousand values. The update is rounded to
         # the variables' dtype only after the noise (post-processing).
         grads = [tf.cast(g, sum_dtype(v)) for g, v in zip(clipped_sum, trainable_variables)]
-        if self.noise_multiplier > 0:
+        if params.noise_multiplier > 0:
             grads = [g + n for g, n in zip(grads, self._noise_like(
-                grads, replica_id, num_replicas, update_index))]
-        if self.expected_batch_size is not None:
-            divisor = tf.constant(self.expected_batch_size, tf.float32)
+                grads, replica_id, num_replicas, update_index, params))]
+        if params.expected_batch_size is not None:
+            divisor = tf.constant(params.expected_batch_size, tf.float32)
         else:
             divisor = tf.cast(local_batch_size, tf.float32)
             if num_replicas > 1:
@@ -340,8 +329,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         grads = [g / tf.cast(divisor, g.dtype) for g in grads]
         set_noise_variance = getattr(self.inner_optimizer, "set_dp_noise_variance", None)
         if set_noise_variance is not None:  # e.g. NoiseCorrectedAdam (DP-AdamBC)
-            total_std = self.noise_multiplier * self.l2_norm_clip
-            set_noise_variance(tf.square(total_std / divisor))
+            set_noise_variance(tf.square(params.noise_std / divisor))
         if public_gradients is not None:
             # Keras sums across replicas: each contributes 1/R of the term.
             grads = [g if p is None else g + tf.cast(p, g.dtype) / num_replicas

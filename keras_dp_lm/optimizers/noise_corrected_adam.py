@@ -28,11 +28,11 @@ rate.
 import keras
 from keras import ops
 
-from keras_dp_lm.optimizers.dp_optimizer import _check_positive
+from keras_dp_lm.optimizers.privacy_parameters import _check_number
 
 
 def _beta(name, value):
-    beta = _check_positive(name, value, allow_zero=True)
+    beta = _check_number(name, value, allow_zero=True)
     if beta >= 1:
         raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
     return beta
@@ -71,9 +71,9 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = _beta("beta_1", beta_1)
         self.beta_2 = _beta("beta_2", beta_2)
-        self.epsilon = _check_positive("epsilon", epsilon, allow_zero=True)
+        self.epsilon = _check_number("epsilon", epsilon, allow_zero=True)
         # > 0: a coordinate holding only noise would otherwise take an unbounded step
-        self.floor_ratio = _check_positive("floor_ratio", floor_ratio)
+        self.floor_ratio = _check_number("floor_ratio", floor_ratio)
         with keras.name_scope(self.name, caller=self):
             self.dp_noise_variance = keras.Variable(
                 0.0, name="dp_noise_variance", dtype="float32", trainable=False,
@@ -84,7 +84,7 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
         """Set ``phi``, the per-coordinate variance of the noise in the gradients
         of the next update (called by the DP optimizer that wraps this one)."""
         if isinstance(variance, (int, float)):
-            _check_positive("variance", variance, allow_zero=True)
+            _check_number("variance", variance, allow_zero=True)
         self.dp_noise_variance.assign(ops.cast(variance, "float32"))
 
     def build(self, var_list):

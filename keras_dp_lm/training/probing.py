@@ -27,23 +27,24 @@ _PROBE = "_keras_dp_lm_probe"
 
 
 _MIXING_REFUSED = (
-    "keras_dp_lm refused the batch: one example's loss or gradient depends on other "
-    "examples of the batch (a layer or loss mixes examples: batch statistics, a "
-    "batch maximum, weights normalised over the batch, attention or similarity "
-    "across the batch axis, a straight-through estimator or custom gradient over "
-    "the batch), or its training pass or gradients are not finite on the examples "
-    "the check compares (a layer dividing by a batch statistic without an "
-    "epsilon), or the training pass draws randomness "
-    "outside Keras's seed generators (tf.random.* in a layer's call), which the "
-    "check cannot replay and which could hide such mixing, or fast clipping's own "
-    "per-example gradient of an example is not that example's gradient (a backward "
-    "pass that moves gradient between examples, or a clipping rule registered with "
-    "register_clipping_rule for a layer whose call it does not describe). Fast "
-    "clipping cannot bound such a model. Make each example's loss depend on that "
-    "example alone, draw randomness with keras.random and a "
-    "keras.random.SeedGenerator (as keras.layers.Dropout does), register rules only "
-    "for layers that compute what the rule's layer computes, or compile the DP "
-    "optimizer with clipping='exact' (each example differentiated alone).")
+    "keras_dp_lm refused the batch before any update: the independence check found "
+    "that one example's clipped gradient is not a function of that example alone, so "
+    "fast clipping cannot bound what one example changes.\n"
+    "Causes it detects:\n"
+    "  - a layer or loss mixes examples: batch statistics, a batch maximum, weights "
+    "normalised over the batch, attention or similarity across the batch axis, a "
+    "straight-through estimator or custom gradient over the batch;\n"
+    "  - the training pass or its gradients are not finite on the examples compared "
+    "(e.g. a division by a batch statistic without an epsilon);\n"
+    "  - randomness drawn outside Keras's seed generators (tf.random.* in a layer's "
+    "call), which the check cannot replay;\n"
+    "  - a rule registered with register_clipping_rule for a layer whose call it does "
+    "not describe (fast clipping's gradient of an example is then not its gradient).\n"
+    "Fixes: make each example's loss depend on that example alone; draw randomness "
+    "with keras.random and a keras.random.SeedGenerator (as keras.layers.Dropout "
+    "does); register rules only for layers computing what the rule's layer computes; "
+    "or compile the DP optimizer with clipping='exact' (each example differentiated "
+    "alone, slower).")
 
 
 def _probe_engine(model):

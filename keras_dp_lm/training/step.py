@@ -97,19 +97,20 @@ def dp_clipped_gradient(model, data, update_metrics=False):
     ``jit_compile=True`` runs the step's XLA core, as ``fit`` does.
     """
     x, y, sample_weight, mask, _, per_user = _unpack(data)
-    return _clipping_core(model)(model, (x, y, sample_weight), mask, update_metrics,
-                                 per_user or 1)
+    return _clipping_core(model)(model, model.optimizer.privacy_parameters,
+                                 (x, y, sample_weight), mask, update_metrics, per_user or 1)
 
 
-def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
-    optimizer = model.optimizer
+def _clipped_batch(model, params, batch, mask, update_metrics, examples_per_user=1):
+    """The clipped sum of one logical batch at ``params`` (a frozen
+    :class:`~keras_dp_lm.optimizers.PrivacyParameters`: C, micro-batches, method)."""
     k = examples_per_user
     weights = _loss_weights(mask, k)
     loss_fn = _step_losses(model, k)
 
     def micro_clipped_sum(part):
         result = clipping_module.clipped_sum(
-            model, loss_fn, part, optimizer.l2_norm_clip, method=optimizer.clipping,
+            model, loss_fn, part, params.l2_norm_clip, method=params.clipping,
             slot_mask=part[1], examples_per_user=k)
         real_units = clipping_module.user_slot_mask(part[1], k) > 0
         zero = tf.zeros([], result.norms.dtype)
@@ -118,7 +119,7 @@ def _clipped_batch(model, batch, mask, update_metrics, examples_per_user=1):
         return result._replace(norms=tf.where(real_units, result.norms, zero),
                                rounding=tf.where(real_units, rounding, zero))
 
-    num_micro = optimizer.dp_accumulation_steps
+    num_micro = params.accumulation_steps
     if num_micro == 1:
         result = refusals.without_state_updates(
             model, lambda: micro_clipped_sum((batch, weights)))
@@ -228,14 +229,14 @@ def dp_train_step(model, data):
     optimizer = model.optimizer
     fit_guards.check_optimizer_matches_step(model, compiled_for_dp=True)
     refusals.check_model(model)
-    optimizer.freeze_privacy_parameters()
+    params = optimizer.freeze_privacy_parameters()  # every privacy value of this step
     if not optimizer.built:
         # Keras builds an unbuilt optimizer inside the traced step; under XLA
         # (jit_compile=True) the wrapped optimizer's slots would then be read
         # before they are initialised. Build them eagerly, outside the trace.
         with tf.init_scope():
             optimizer.build(model.trainable_variables)
-    sigma = float(optimizer.noise_multiplier)
+    sigma = params.noise_multiplier
     ledger = ledger_of(model)
     x, y, sample_weight, mask, rate, per_user = _unpack(data)
     unit = "user" if per_user is not None else "example"
@@ -246,7 +247,7 @@ def dp_train_step(model, data):
             "accountant count users, never records: build them with "
             "keras_dp_lm.data.poisson_user_batches (or attach_real_slots(..., "
             "sampling_rate=q) with q the per-user inclusion probability).")
-    if _has_real_slots(data) and optimizer.expected_batch_size is None:
+    if _has_real_slots(data) and params.expected_batch_size is None:
         raise PrivacyRefusalError(
             "These batches are padded (they carry a real-slot mask, e.g. from "
             "keras_dp_lm.data.poisson_batches), so the DP optimizer must divide "
@@ -254,7 +255,7 @@ def dp_train_step(model, data):
             "examples: pass expected_batch_size=sampling_rate * dataset_size to the "
             "DP optimizer.")
     independent = tf.constant(True)
-    if optimizer.clipping != "exact" and not refusals.probe_state(model).probed_before_step:
+    if params.clipping != "exact" and not refusals.probe_state(model).probed_before_step:
         # fit / train_on_batch probe before the first step, in a call of its
         # own (_train_function_probing_first); other callers probe here.
         independent = refusals.examples_independent(
@@ -262,7 +263,7 @@ def dp_train_step(model, data):
             rows=_micro_batch_rows(model, mask, per_user), engine=_probe_engine(model))
     refuse_mixing = tf.debugging.Assert(independent, [_MIXING_REFUSED])
     with tf.control_dependencies([refuse_mixing]), recording_release_calls() as called:
-        result = _clipping_core(model)(model, (x, y, sample_weight), mask, True,
+        result = _clipping_core(model)(model, params, (x, y, sample_weight), mask, True,
                                        per_user or 1)
     _refuse_unlisted_releases(model, called)
     # Real units: examples, or users (a user with any real slot) in a user batch.
@@ -292,9 +293,9 @@ def dp_train_step(model, data):
     with tf.control_dependencies([check]):  # nothing below runs for a refused batch
         keep = tf.cast(ok, tf.float32)  # and under XLA, which drops asserts, it adds nothing
         grads = [g * tf.cast(keep, g.dtype) for g in result.grads]
-        optimizer._apply_clipped_sum(grads, model.trainable_variables, local_size,
-                                     ledger.updates_so_far(),
-                                     public_gradients=_regularization_gradients(model))
+        optimizer.apply_clipped_sum(params, grads, model.trainable_variables, local_size,
+                                    ledger.updates_so_far(),
+                                    public_gradients=_regularization_gradients(model))
         for inner in nested:  # at the rate the model's own ledger records
             inner.record(sigma, ledger.recorded_rate(rate), real, ok, unit)
         ledger.record(sigma, rate, real, ok, unit)
