@@ -19,6 +19,7 @@ def test_removed_module_paths_are_gone(old):
 # -- code structure (issue 39) -------------------------------------------------
 import ast  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 
 PACKAGE = pathlib.Path(keras_dp_lm.__file__).parent
 MAX_MODULE_LINES = 500
@@ -190,3 +191,15 @@ def test_keras_internals_sits_below_every_room():
     """The one module that touches Keras's private API imports nothing of the package."""
     graph = _import_graph()
     assert graph["keras_dp_lm._keras_internals"] == set()
+
+
+REVIEW_ID = re.compile(r"\b(r\d{2}[a-z]?,? ?[A-Z]\d|[Rr]eview r?\d|[Aa]udit F\d|review round)")
+
+
+def test_no_review_round_ids_in_package_or_tests():
+    """Code and tests say what they protect, not which review found it."""
+    tests = PACKAGE.parent / "tests"
+    found = [f"{path.name}:{number}" for path in [*_modules(), *sorted(tests.glob("*.py"))]
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if REVIEW_ID.search(line)]
+    assert found == []

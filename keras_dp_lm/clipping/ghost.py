@@ -208,7 +208,7 @@ def _rounding_allowance(contribs, grams, sq_norm):
     A ghost norm ``sum_{t,s} (x_t.x_s)(y_t.y_s)`` is a difference of large
     numbers where the gradient cancels across positions; float32 then reads
     it low, or negative, and rounding errors can be made to add up
-    coherently by a crafted record (review r31: 6.9 C through ``fit``). So
+    coherently by a crafted record (one moved a model by 6.9 C through ``fit``). So
     the allowance is a worst-case bound, not a model of typical errors: a
     float32 dot product of length ``L`` is off by at most ``L u |x_t| |x_s|``
     whatever the summation order, the sums of Gram products over positions
@@ -240,7 +240,7 @@ def _rounding_allowance(contribs, grams, sq_norm):
     total, x1, y1 = (tf.add_n([tf.cast(b[i], dtype) for _, b in grounded]) for i in range(3))
     # Flushing to zero (CPUs and GPUs flush float32 subnormals) moves a dot
     # product of length L by at most 2 L 2^-126 whatever the size of its
-    # terms: a huge input times a tiny output gradient (review r32: an input
+    # terms: a huge input times a tiny output gradient (e.g. an input
     # in the kernel's null space, then a LayerNorm) is a large gradient whose
     # Gram entries flush to exactly 0. Over all pairs of contributions that
     # costs at most 2^-125 (m (sum |Y_t|)^2 + n (sum |X_t|)^2), and the
