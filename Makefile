@@ -52,7 +52,11 @@ test: install data
 VENV_OLDEST ?= .venv-oldest
 PY_OLDEST := $(VENV_OLDEST)/bin/python
 OLDEST_TESTS := $(wildcard $(addprefix tests/,test_versions.py test_binding.py \
-	test_privacy_regressions.py test_clipping_privacy.py test_optimizers.py \
+	test_padding_and_batches.py test_per_example_losses.py \
+	test_cross_example_mixing.py test_independence_probe.py \
+	test_parameter_freezing.py test_ledger_ownership.py test_non_private_fits.py \
+	test_logged_values.py test_dtype_and_crashes.py \
+	test_clipping_privacy.py test_optimizers.py \
 	test_accounting.py test_callbacks_accountant.py test_training.py \
 	test_ledger_workflows.py test_noise_corrected_adam.py test_saved_files.py \
 	test_feature_normalization.py))

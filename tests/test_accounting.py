@@ -273,7 +273,7 @@ def test_report_total_and_sum():
     assert report["epsilon_rdp"] == accounting.compute_epsilon(2.0, 0.1, 50, 1e-5, "rdp")
     assert report["sum_epsilon"] == pytest.approx(train_eps + vocab_eps + 0.5)
     assert report["sum_delta"] == pytest.approx(1e-5 + 1e-5 + 1e-6)
-    # the total: at the delta asked for, plus the pair's own (audit F5: the
+    # the total: at the delta asked for, plus the pair's own (before, the
     # composed DpEvent added a delta of its own, so the total was printed at 2x)
     assert report["total_delta"] == pytest.approx(1e-5 + 1e-6)
     assert report["total_accountant"] == "pld"

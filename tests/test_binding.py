@@ -94,7 +94,7 @@ class _Wrapper(keras.Model):
 @pytest.mark.parametrize("how", ["sequential_add_layer", "sequential_add_dp_model",
                                  "attribute"])
 def test_a_plain_model_that_takes_dp_trained_weights_after_its_compile_is_refused(how):
-    """Audit F1: a plain model compiled first, then given DP-trained weights
+    """Before: a plain model compiled first, then given DP-trained weights
     without a compile (``Sequential.add`` of the layer or of the DP model, a
     layer assigned to a subclassed model), trained them with plain SGD: the
     kernel moved by 587-1.8e6 and the DP model's ledger did not count it."""

@@ -223,7 +223,7 @@ def test_poisson_batches_regrouped_after_sampling_are_refused():
 
 
 def test_poisson_batches_regrouped_below_the_cap_are_refused_within_a_few_updates(tmp_path):
-    """Review finding (r30, N2): Poisson draws regrouped into batches of a few
+    """Before: Poisson draws regrouped into batches of a few
     times the expected count, still below the one-batch cap, trained 289
     updates of 69 real rows reported at 2.16 for ~8.06 spent. The running total
     of real examples is now checked too: refused after a few updates; honest
@@ -238,7 +238,7 @@ def test_poisson_batches_regrouped_below_the_cap_are_refused_within_a_few_update
             PrivacyAccountant(delta=DELTA, batches=batches, verbose=0)])
     refused_at = kdp.ledger_of(model).updates   # updates applied before the refusal
     assert 2 <= refused_at <= 10, refused_at
-    # ...also fed as many short fits (review r31: the total restarted at every
+    # ...also fed as many short fits (before, the total restarted at every
     # fit, and 100 fits of 3 updates trained 300): it counts over the model's
     # life, and is saved with it
     short = make_model(expected_batch_size=q * N)
@@ -333,7 +333,7 @@ def test_only_keras_hub_tasks_keep_their_ledger_with_a_backbone():
 
 @pytest.mark.filterwarnings("ignore:max_batch_size")
 def test_the_statement_counts_the_chance_of_a_batch_above_its_cap():
-    """Audit F6: truncated draws above the padded cap differ from Poisson
+    """Before: truncated draws above the padded cap differ from Poisson
     sampling; the guarantee is (eps, delta + (1 + e^eps) p), p the chance of
     an overflow over the run (keras_dp_lm.data.poisson). With a cap that
     overflows almost surely the statement said (1.58, 0.001) without a word."""

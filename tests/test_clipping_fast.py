@@ -398,7 +398,7 @@ def test_coverage_report_and_restoration_after_error():
 
 
 # ---------------------------------------------------------------------------
-# float32 rounding of ghost norms (review r24, R4)
+# float32 rounding of ghost norms
 
 
 def _pooled_dense_model(dtype, T, D):
@@ -416,7 +416,7 @@ def _cancelling_inputs(kind, scale, B, T, D, seed=1):
         x = scale * rng.normal(size=(B, T, D))
         x = x - x.mean(axis=1, keepdims=True)
     elif kind == "coherent":
-        # review r31: +a on half the positions, -a (1 + d) on the other half:
+        # +a on half the positions, -a (1 + d) on the other half:
         # every Gram entry carries the same rounding error, which then adds up
         # linearly (1.55 C against an allowance modelling random errors)
         d = np.concatenate([-np.logspace(-6, -1, B // 2), np.logspace(-6, -1, B // 2)])
@@ -538,7 +538,7 @@ def _huge_null_space_records(model, n, T, M, N, scale=1e19):
 
 
 def test_flushed_subnormals_cannot_hide_a_gradient_from_its_ghost_norm():
-    """Review r32: a huge input times a tiny output gradient is a large
+    """Before: a huge input times a tiny output gradient is a large
     gradient, but the output gradient's Gram matrix flushed to exactly 0 in
     float32, and so did the allowance: the ghost norm read 0 and one record
     moved the weights by 6312 C through ``fit``. The allowance now bounds

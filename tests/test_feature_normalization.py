@@ -78,7 +78,7 @@ def test_sensitivity_on_neighbouring_datasets_is_what_the_event_claims(scale):
 
 
 def test_the_released_mean_moves_no_more_than_its_noise_allows():
-    """The audit's probe (F1): dividing the noised sum by the data's own count
+    """Before: dividing the noised sum by the data's own count
     moved the released mean by up to 2 in units of the sum under add/remove; the
     mean now moves like a function of the released pair, i.e. by about 1 (the
     sum's part), whatever the neighbour."""
@@ -370,7 +370,7 @@ class _CallsAGlobalLayer(keras.layers.Layer):
 
 @pytest.mark.parametrize("hidden_in", ["lambda", "custom_call"])
 def test_a_release_the_model_does_not_list_is_refused_before_any_update(hidden_in):
-    """Audit F4: a DPFeatureNormalization called from a Lambda (or from a custom
+    """Before: a DPFeatureNormalization called from a Lambda (or from a custom
     layer that does not hold it) was invisible to the accountant, whose total
     then left its release out. The DP step refuses it when traced."""
     from keras_dp_lm.errors import PrivacyRefusalError
@@ -395,9 +395,9 @@ def test_a_release_the_model_does_not_list_is_refused_before_any_update(hidden_i
 
 
 def test_the_quick_start_spends_at_most_what_it_asks_for_at_the_delta_it_asks_for():
-    """Audit F5 (and F1's consequence): the README's head path, N = 3,000, target
-    epsilon 3 at delta 1e-6. The accountant's total is printed at 1e-6 (less the
-    recipe's overflow reserve, which the report adds back), and dp_accounting
+    """The README's head path, N = 3,000, target epsilon 3 at delta 1e-6. The
+    accountant's total is printed at 1e-6 (less the recipe's overflow reserve,
+    which the report adds back), and dp_accounting
     composing what was applied (the ledger's rows and the release's real
     sensitivity, measured above) at 1e-6 agrees and is at most 3."""
     rng = np.random.default_rng(0)

@@ -34,7 +34,7 @@ def test_preset_fine_tunes_with_dp_adam(tmp_path, family):
     assert np.isfinite(history.history["loss"][0])
     changed = [not np.allclose(a, b.numpy()) for a, b in zip(before, lm.trainable_variables)]
     assert all(changed)  # noise reaches every variable
-    # compile(sampler=) builds a non-DP Adam: training on refuses (r34 F1)
+    # compile(sampler=) builds a non-DP Adam: training on refuses
     lm.compile(sampler="greedy")
     with pytest.raises(RuntimeError, match="compile\\(sampler=...\\) builds a new non-DP"):
         lm.fit(TEXTS, batch_size=4, epochs=1, verbose=0)

@@ -1,6 +1,6 @@
 """Reloading any module of keras_dp_lm (what a notebook's autoreload does after an
 edit) neither clears a refusal nor breaks ``compile``, and a model compiled or
-DP-trained before the reload is still bound and counted (audit findings F2, F3).
+DP-trained before the reload is still bound and counted.
 
 Runs in a subprocess: reloading modules in the test process would change the
 classes every other test in it sees.

@@ -421,7 +421,7 @@ def _budget_function(budget, lm, sampler):
 
 
 def test_a_sampler_assigned_without_compile_is_the_one_applied(tiny_lm):
-    # Regression (r33): KerasHub keeps its traced generate function, which reads
+    # Regression: KerasHub keeps its traced generate function, which reads
     # `lm.sampler` only when tracing. Assigning `lm.sampler = DPSampler(...)`
     # after a greedy trace sampled greedily (no privacy) while the budget charged
     # the DPSampler; a greedy trace made outside the budget at another width did
@@ -451,7 +451,7 @@ def test_a_sampler_assigned_without_compile_is_the_one_applied(tiny_lm):
 
 
 def test_compile_drops_the_budgets_traces(tiny_lm):
-    # r33b: after `sampler.temperature = ...; lm.compile(sampler=sampler)` the budget
+    # Before: after `sampler.temperature = ...; lm.compile(sampler=sampler)` the budget
     # kept sampling with its old trace (temperature is in no charge: functional).
     lm, preprocessor = tiny_lm
     sampler = DPSampler(0.999, temperature=1e-3, seed=0)   # ~greedy model branch
@@ -465,7 +465,7 @@ def test_compile_drops_the_budgets_traces(tiny_lm):
 
 
 def test_masks_and_lengths_generate_would_misread_are_refused_before_charging(tiny_lm):
-    # Regression (r33b): a -1 in the padding mask made XLA's generate sample 10
+    # Regression: a -1 in the padding mask made XLA's generate sample 10
     # positions per row (and overwrite the prompt) where the budget charged 2.
     lm, preprocessor = tiny_lm
     lm.compile(sampler=DPSampler(0.5, seed=0), jit_compile=True)
@@ -485,7 +485,7 @@ def test_masks_and_lengths_generate_would_misread_are_refused_before_charging(ti
 
 
 def test_a_sampler_swapped_during_generate_withholds_the_output(tiny_lm, monkeypatch):
-    # r33b: a swap between the budget's check and KerasHub's trace (another thread)
+    # Before: a swap between the budget's check and KerasHub's trace (another thread)
     # sampled greedily while the lambda-0 sampler was charged.
     lm, preprocessor = tiny_lm
     uniform = DPSampler(0.0, seed=0)

@@ -157,8 +157,8 @@ def test_refused_model_is_reported_as_refused_with_weights_unchanged():
 
 
 class _RaisesOnSmallTrainingBatches(keras.layers.Layer):
-    """Raises a ValueError of its own in training on batches of at most 8 rows (audit
-    r38: check_privacy took it for the DP step's refusal and passed the model)."""
+    """Raises a ValueError of its own in training on batches of at most 8 rows
+    (before, check_privacy took it for the DP step's refusal and passed the model)."""
 
     def call(self, x, training=None):
         if training and x.shape[0] is not None and x.shape[0] <= 8:
@@ -450,7 +450,7 @@ def test_a_step_that_leaves_its_second_micro_batch_unclipped_fails(monkeypatch):
 
 def test_under_bfloat16_every_unit_is_removed_so_a_leak_in_one_fails(bfloat16_policy,
                                                                         monkeypatch):
-    """Review finding F5: a step giving one untested user of 32 a 1.3 C share
+    """Before: a step giving one untested user of 32 a 1.3 C share
     passed at bfloat16's 2e-2 tolerance on the whole sum; under bfloat16 the
     check now removes every unit by default."""
     from keras_dp_lm.data import split_real_slots

@@ -293,7 +293,7 @@ def test_bad_data_errors(tmp_path):
         V.DPVocabularyAdapter(100, noise_multiplier=1.0, delta=1e-6).adapt(["", " "])
     with pytest.raises(ValueError, match="An element of `data` is a int, not text"):
         V.dp_word_histogram(["fine", 3], **kwargs)
-    # Validation errors name the type, never a record's content or position (r33).
+    # Validation errors name the type, never a record's content or position.
     with pytest.raises(ValueError, match="is a dict, not text") as error:
         V.dp_word_histogram(["fine"] * 7 + [{"patient": "Jane Roe", "dx": "HIV+"}], **kwargs)
     assert "Jane" not in str(error.value) and "7" not in str(error.value)

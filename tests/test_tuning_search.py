@@ -122,8 +122,8 @@ def test_public_search_simulates_the_private_run_and_ranks_every_candidate():
 
 
 def test_the_released_model_carries_no_trace_of_the_other_trials_or_the_noise():
-    """Review r1 of private_search: the optimizer's noise seed, Keras's auto-names
-    (which numbered the trials), the training loss and NaN scores leaked."""
+    """Before: the optimizer's noise seed, Keras's auto-names (which numbered
+    the trials), the training loss and NaN scores of private_search leaked."""
     x, y = toy(400)
     built = []
     names = {keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]).name}
