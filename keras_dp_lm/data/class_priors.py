@@ -180,12 +180,6 @@ class DPClassPriors:
         first): ``GaussianDpEvent(noise_multiplier / release_sensitivity())`` each."""
         return _releases_event(self.noise_multiplier, max(self.num_releases, 1))
 
-
-def _releases_event(noise_multiplier, count):
-    """The event of ``count`` histogram releases at ``noise_multiplier``."""
-    one = dp_accounting.GaussianDpEvent(noise_multiplier / release_sensitivity())
-    return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
-
     def class_weights(self):
         """``min(priors) / priors``: weight 1 for the rarest class, in ``(0, 1]``."""
         return _class_weights(self._require_priors())
@@ -195,6 +189,12 @@ def _releases_event(noise_multiplier, count):
             raise ValueError("DPClassPriors has no priors yet: call `release(labels)` on "
                              "the training labels first.")
         return self.priors
+
+
+def _releases_event(noise_multiplier, count):
+    """The event of ``count`` histogram releases at ``noise_multiplier``."""
+    one = dp_accounting.GaussianDpEvent(noise_multiplier / release_sensitivity())
+    return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
 
 
 def _class_weights(priors):
