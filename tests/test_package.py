@@ -193,7 +193,7 @@ def test_keras_internals_sits_below_every_room():
     assert graph["keras_dp_lm._keras_internals"] == set()
 
 
-REVIEW_ID = re.compile(r"\b(r\d{2}[a-z]?,? ?[A-Z]\d|[Rr]eview r?\d|[Aa]udit F\d|review round)")
+REVIEW_ID = re.compile(r"\b(r\d{2}[a-z]?,? ?[A-Z]\d|[Rr]eview r?\d|[Aa]udit F\d|review[ ]round)")
 
 
 def test_no_review_round_ids_in_package_or_tests():
