@@ -135,10 +135,14 @@ def test_wheel_imports_from_the_venv_and_the_cli_answers(installed):
 @pytest.mark.timeout(600)
 def test_demo_command_trains_privately_for_a_pip_user(installed):
     python, cli, outside = installed
-    out = _run([cli, "demo", "--steps", "3", "--batch-size", "32"], cwd=outside,
-               timeout=600).stdout
-    assert "Held-out perplexity:" in out and "after 3 noised updates" in out
-    assert "satisfies (epsilon = 3" in out
+    out = _run([cli, "demo", "--steps", "4", "--batch-size", "32", "--target-epsilon", "2"],
+               cwd=outside, timeout=600).stdout
+    assert "privately on 2,301 passages of hamlet" in out
+    assert "DP recipe for N=2301, epsilon=2, delta=1e-06: batch 32" in out
+    before, after = map(float, re.search(
+        r"Held-out perplexity: ([\d.]+) before, ([\d.]+) after 4 noised updates", out).groups())
+    assert before > 1 and after > 1
+    assert "satisfies (epsilon = 2" in out and "make demo" in out
     assert list(outside.iterdir()) == []   # nothing written where the user stands
 
 
