@@ -50,27 +50,33 @@ def _missing_privacy_message(name, missing):
         "sampling_rate, steps)` gives the noise multiplier alone.")
 
 
-def _convenience_init(self, *args, l2_norm_clip=None, noise_multiplier=None,
-                      gradient_accumulation_steps=1, expected_batch_size=None, seed=None,
-                      clipping="auto", name=None, inner_optimizer=None, **kwargs):
-    """The ``__init__`` of every convenience: builds ``type(self)._inner_class``."""
-    cls_name, inner_class = type(self).__name__, type(self)._inner_class
-    missing = [arg for arg, value in (("l2_norm_clip", l2_norm_clip),
-                                      ("noise_multiplier", noise_multiplier))
-               if value is None]
-    if missing:
-        raise TypeError(_missing_privacy_message(cls_name, missing))
-    if inner_optimizer is None:
-        inner_optimizer = inner_class(*args, **kwargs)
-    elif args or kwargs:
-        raise ValueError(f"{cls_name}: pass either inner_optimizer or its arguments, not "
-                         "both.")
-    elif not isinstance(inner_optimizer, inner_class):
-        raise TypeError(
-            f"{cls_name} wraps a {inner_class.__name__}, got "
-            f"{type(inner_optimizer).__name__}: use DPOptimizer(inner_optimizer, ...) for "
-            "another optimizer.")
-    DPOptimizer.__init__(self, inner_optimizer, l2_norm_clip=l2_norm_clip,
+class _InnerOptimizerConvenience(DPOptimizer):
+    """A :class:`DPOptimizer` that builds its inner optimizer, ``_inner_class``, from
+    the inner optimizer's own arguments (the base of :class:`DPSGD`, :class:`DPAdam`,
+    :class:`DPAdamW` and :class:`DPAdamBC`)."""
+
+    _inner_class = None
+
+    def __init__(self, *args, l2_norm_clip=None, noise_multiplier=None,
+                 gradient_accumulation_steps=1, expected_batch_size=None, seed=None,
+                 clipping="auto", name=None, inner_optimizer=None, **kwargs):
+        cls_name, inner_class = type(self).__name__, type(self)._inner_class
+        missing = [arg for arg, value in (("l2_norm_clip", l2_norm_clip),
+                                          ("noise_multiplier", noise_multiplier))
+                   if value is None]
+        if missing:
+            raise TypeError(_missing_privacy_message(cls_name, missing))
+        if inner_optimizer is None:
+            inner_optimizer = inner_class(*args, **kwargs)
+        elif args or kwargs:
+            raise ValueError(f"{cls_name}: pass either inner_optimizer or its arguments, "
+                             "not both.")
+        elif not isinstance(inner_optimizer, inner_class):
+            raise TypeError(
+                f"{cls_name} wraps a {inner_class.__name__}, got "
+                f"{type(inner_optimizer).__name__}: use DPOptimizer(inner_optimizer, ...) "
+                "for another optimizer.")
+        super().__init__(inner_optimizer, l2_norm_clip=l2_norm_clip,
                          noise_multiplier=noise_multiplier,
                          gradient_accumulation_steps=gradient_accumulation_steps,
                          expected_batch_size=expected_batch_size, seed=seed,
@@ -79,57 +85,68 @@ def _convenience_init(self, *args, l2_norm_clip=None, noise_multiplier=None,
 
 # What the signature shows (help(), the API reference): the privacy arguments are
 # required; None above only lets the missing ones be named in one clear error.
-_convenience_init.__signature__ = inspect.signature(_convenience_init).replace(parameters=[
+_init = _InnerOptimizerConvenience.__init__
+_init.__signature__ = inspect.signature(_init).replace(parameters=[
     p.replace(default=inspect.Parameter.empty)
     if p.name in ("l2_norm_clip", "noise_multiplier") else p
-    for p in inspect.signature(_convenience_init).parameters.values()])
+    for p in inspect.signature(_init).parameters.values()])
 
 
-def _convenience(inner_class, doc_example, name=None, inner_path=None, examples=""):
-    name = name or "DP" + inner_class.__name__
+def _doc(inner_class, example, inner_path=None, examples=""):
+    """The docstring of the convenience around ``inner_class``."""
+    name = "DP" + inner_class.__name__ if inner_class is not NoiseCorrectedAdam else "DPAdamBC"
     inner_path = inner_path or f"keras.optimizers.{inner_class.__name__}"
-
-    class Convenience(DPOptimizer):
-        __init__ = _convenience_init
-        _inner_class = inner_class
-
-    Convenience.__name__ = Convenience.__qualname__ = name
-    Convenience.__module__ = "keras_dp_lm.optimizers"
-    Convenience.__doc__ = (
-        f"Differentially private ``{inner_path}``.\n\n"
-        f"``{name}(learning_rate, ..., l2_norm_clip=..., noise_multiplier=..., ...)``: "
-        f"positional and other keyword arguments go to ``{inner_class.__name__}``; the "
-        "privacy arguments are those of :class:`DPOptimizer`.\n"
-        + _ARGS_DOC.format(inner=inner_class.__name__, examples=examples)
-        + "\nExample:\n" + doc_example)
-    return keras.saving.register_keras_serializable(package="keras_dp_lm")(Convenience)
+    return (f"Differentially private ``{inner_path}``.\n\n"
+            f"``{name}(learning_rate, ..., l2_norm_clip=..., noise_multiplier=..., ...)``: "
+            f"positional and other keyword arguments go to ``{inner_class.__name__}``; the "
+            "privacy arguments are those of :class:`DPOptimizer`.\n"
+            + _ARGS_DOC.format(inner=inner_class.__name__, examples=examples)
+            + "\nExample:\n" + example)
 
 
-DPSGD = _convenience(keras.optimizers.SGD, """\
+@keras.saving.register_keras_serializable(package="keras_dp_lm")
+class DPSGD(_InnerOptimizerConvenience):
+    _inner_class = keras.optimizers.SGD
+    __doc__ = _doc(keras.optimizers.SGD, """\
     >>> import keras_dp_lm as kdp
     >>> opt = kdp.DPSGD(0.1, momentum=0.9, l2_norm_clip=1.0, noise_multiplier=1.1)
     >>> float(opt.inner_optimizer.momentum), opt.l2_norm_clip
     (0.9, 1.0)
 """, examples="``momentum``, ``nesterov``, ...")
-DPAdam = _convenience(keras.optimizers.Adam, """\
+
+
+@keras.saving.register_keras_serializable(package="keras_dp_lm")
+class DPAdam(_InnerOptimizerConvenience):
+    _inner_class = keras.optimizers.Adam
+    __doc__ = _doc(keras.optimizers.Adam, """\
     >>> import keras_dp_lm as kdp
     >>> opt = kdp.DPAdam(learning_rate=1e-3, l2_norm_clip=0.1, noise_multiplier=0.8,
     ...                  gradient_accumulation_steps=4)
     >>> opt.dp_accumulation_steps
     4
 """, examples="``beta_1``, ``beta_2``, ``epsilon``, ...")
-DPAdamW = _convenience(keras.optimizers.AdamW, """\
+
+
+@keras.saving.register_keras_serializable(package="keras_dp_lm")
+class DPAdamW(_InnerOptimizerConvenience):
+    _inner_class = keras.optimizers.AdamW
+    __doc__ = _doc(keras.optimizers.AdamW, """\
     >>> import keras_dp_lm as kdp
     >>> opt = kdp.DPAdamW(learning_rate=1e-3, weight_decay=0.01, l2_norm_clip=1.0,
     ...                   noise_multiplier=1.0)
     >>> float(opt.inner_optimizer.weight_decay)
     0.01
 """, examples="``weight_decay``, ``beta_1``, ...")
-DPAdamBC = _convenience(NoiseCorrectedAdam, """\
+
+
+@keras.saving.register_keras_serializable(package="keras_dp_lm")
+class DPAdamBC(_InnerOptimizerConvenience):
+    _inner_class = NoiseCorrectedAdam
+    __doc__ = _doc(NoiseCorrectedAdam, """\
     >>> import keras_dp_lm as kdp
     >>> opt = kdp.DPAdamBC(learning_rate=1e-4, floor_ratio=0.1, l2_norm_clip=0.1,
     ...                    noise_multiplier=0.8)
     >>> type(opt.inner_optimizer).__name__, opt.inner_optimizer.floor_ratio
     ('NoiseCorrectedAdam', 0.1)
-""", name="DPAdamBC", inner_path="keras_dp_lm.optimizers.NoiseCorrectedAdam",
-    examples="``floor_ratio``, ``beta_1``, ...")
+""", inner_path="keras_dp_lm.optimizers.NoiseCorrectedAdam",
+        examples="``floor_ratio``, ``beta_1``, ...")
