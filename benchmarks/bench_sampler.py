@@ -169,7 +169,7 @@ def main(argv=None):
         f"Privacy of this setting: {eps_tok:.2f} epsilon per token, "
         f"{new_tokens * eps_tok:.0f} per {new_tokens}-token sequence.",
     ]
-    utility = HERE / "dp_decoding_utility.md"
+    utility = HERE / "results" / "dp_decoding_utility.md"
     if utility.exists():
         lines += ["", "Utility (from `benchmarks/dp_decoding_utility.py`, its last run):", ""]
         # Its tables with their headings and notes (not only the "|" lines, which

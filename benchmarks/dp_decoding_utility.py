@@ -24,7 +24,7 @@ scored teacher-forced under the distribution each sampler draws from:
    as a measured proposal, the sampler with fewer bisection steps.
 
 Writes ``dp_decoding_utility.md`` (tables) and ``dp_decoding_utility.png`` (the
-curves) to ``--out-dir`` (default: benchmarks/). ``benchmarks/bench_sampler.py``
+curves) to ``--out-dir`` (default: benchmarks/results/). ``benchmarks/bench_sampler.py``
 copies the tables' rows into its section of benchmarks/RESULTS.md.
 
     python benchmarks/dp_decoding_utility.py            # ~12-15 min on 2 CPU cores
@@ -499,7 +499,7 @@ def main(argv=None):
     parser.add_argument("--proposal-steps", type=int, default=12,
                         help="bisection steps of the measured speed-up proposal")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default=str(HERE))
+    parser.add_argument("--out-dir", default=str(HERE / "results"))
     args = parser.parse_args(argv)
 
     t_start = time.time()

@@ -15,17 +15,18 @@ Metrics, 3 DP repeats at epsilon 3 and 8: accuracy; each class's recall; balance
 accuracy (the mean recall). The verdict "ends at the majority class" is a minority
 recall under 5% (mean of the repeats).
 
-    python benchmarks/imbalanced.py --data-dir data   # writes benchmarks/imbalanced.json
+    python benchmarks/imbalanced.py --data-dir data
+    # writes benchmarks/results/imbalanced.json
 
 Issue 52 (lever 1, class-aware DP training): ``--variants`` runs the README path and
 the head trained with ``DPClassPriors`` (a DP release of the label counts, composed
 into the recipe's total) and ``LogitAdjustedSparseCategoricalCrossentropy``, on the
 seven development tasks and the four ``HELD_OUT`` tasks (``--tasks``); the procedure
-and the adoption criteria are in ``benchmarks/imbalanced.md`` (committed before the
-runs).
+and the adoption criteria are in ``benchmarks/results/imbalanced.md`` (committed before
+the runs).
 
     python benchmarks/imbalanced.py --data-dir data --variants readme la weights la_weights \
-        --output benchmarks/imbalanced_priors.json
+        --output benchmarks/results/imbalanced_class_priors.json
 """
 
 import argparse
@@ -219,7 +220,7 @@ def main(argv=None):
                         help=f"development tasks {list(TASKS)} or held-out {list(HELD_OUT)}")
     parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=None,
                         help="issue 52: run these variants (readme: the README path)")
-    parser.add_argument("--output", default=str(BENCHMARKS / "imbalanced.json"))
+    parser.add_argument("--output", default=str(BENCHMARKS / "results" / "imbalanced.json"))
     args = parser.parse_args(argv)
     rows = []
     table = markdown if args.variants is None else variant_markdown

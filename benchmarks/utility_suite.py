@@ -2,7 +2,8 @@
 
     python benchmarks/utility_suite.py --data-dir data --lm      # every row (~35 min)
     python benchmarks/utility_suite.py --tasks fortunes_6 --repeats 1   # one task, ~1 min
-    python benchmarks/utility_suite.py --from-json benchmarks/utility_suite.json  # re-render
+    python benchmarks/utility_suite.py --from-json benchmarks/results/utility_suite.json
+                                                         # re-render the stored rows
 
 The procedure was fixed before any result was looked at, and no task is tuned by
 hand. For each task of :mod:`utility_tasks` (frozen MiniLM sentence features; the
@@ -20,7 +21,8 @@ model trained is a linear head on them, i.e. a probe), at epsilon 3 and 8 (delta
   the same behind ``keras_dp_lm.data.DPFeatureNormalization`` (features centred on
   a DP mean, noise multiplier 5, rescaled to norm 4), its release composed into the
   recipe (``extra_events``); adopted on the 16 earlier tasks by criteria fixed
-  before the run, tested on the fifth round (``benchmarks/feature_normalization.md``).
+  before the run, tested on the fifth round
+  (``benchmarks/results/feature_normalization.md``).
 * **DP search**: ``tuning.private_search`` on the training split alone (10% of it
   held out privately to score trials), the probe's candidates
   ``PROBE_LEARNING_RATES``, mean 3 trials (geometric), 50 epochs per trial (batch
@@ -39,9 +41,10 @@ added afterwards, in four rounds, and run once with the procedure as it stands
 (the third round after the second round's misses had been looked into, with no
 change to the procedure; the fourth, ``utility_tasks.FOURTH_ROUND_TASKS`` on the
 King James Bible and on Milton against Shakespeare, with no change either, its
-tasks and proxies written down in ``benchmarks/fourth_round.md`` before its run;
-the fifth, ``utility_tasks.FIFTH_ROUND_TASKS``, defined in
-``benchmarks/fifth_round.md`` before any run, to test the ``head_norm`` revision).
+tasks and proxies written down in ``benchmarks/results/utility_heldout_head_rule.md``
+before its run; the fifth, ``utility_tasks.FIFTH_ROUND_TASKS``, defined in
+``benchmarks/results/utility_heldout_feature_normalization.md`` before any run, to
+test the ``head_norm`` revision).
 
 User-level tasks (``utility_tasks.USER_LEVEL_TASKS``: each record carries the id of
 the person who wrote or said it, the privacy unit): the same non-private probe
@@ -92,7 +95,7 @@ PROXY = {"rotten_tomatoes": "shakespeare_genre_2000",
          "kjv_testament_2000": "shakespeare_genre_2000", "kjv_division": "folio_genre",
          "kjv_division_1000": "fortunes_6",
          "milton_vs_shakespeare_2000": "rotten_tomatoes_3000",
-         # fifth round (benchmarks/fifth_round.md)
+         # fifth round (benchmarks/results/utility_heldout_feature_normalization.md)
          **utility_tasks.FIFTH_ROUND_PROXY}
 # The best non-private model of another kind measured on a task (test accuracy, what):
 # fine-tuning beats the probe where it was run.
@@ -313,8 +316,8 @@ def lm_markdown(rows):
     lines.append("Best non-private: the best of the demo's fixed 4-configuration non-private "
                  "grid at the DP run's compute (`--baselines grid`), or its reference run "
                  "(batch 256, Adam 2e-3, the DP run's epochs; within 0.2 of the grid's best) "
-                 "where the grid was not run; one run each (benchmarks/lm_utility.md). "
-                 "The goal is at most 1.25x.")
+                 "where the grid was not run; one run each "
+                 "(benchmarks/results/lm_utility.md). The goal is at most 1.25x.")
     return "\n".join(lines)
 
 

@@ -42,9 +42,9 @@ only with it (no choice was made on them):
   Dream) or a tragedy (Hamlet, Macbeth, Othello, Lear)? 70/15/15 seeded split,
   a seeded 2,000-example train subset.
 * Fourth held-out round (``FOURTH_ROUND_TASKS``; defined, and written down in
-  ``benchmarks/fourth_round.md``, before any of them was run, with the
-  procedure, rules, candidates and epochs unchanged), on new text (the King
-  James Bible) and on Milton: ``kjv_division``: which of the Bible's six
+  ``benchmarks/results/utility_heldout_head_rule.md``, before any of them was
+  run, with the procedure, rules, candidates and epochs unchanged), on new text
+  (the King James Bible) and on Milton: ``kjv_division``: which of the Bible's six
   divisions a verse is from (law: Genesis-Deuteronomy; history: Joshua-Esther;
   poetry and wisdom: Job-Song of Solomon; prophets: Isaiah-Malachi; gospels and
   Acts; epistles and Revelation); records are ``corpora.text_records`` of each
@@ -62,12 +62,12 @@ only with it (no choice was made on them):
   seeded 2,000-example train subset; the play records keep their speaker tags
   and stage directions, as in the other Shakespeare tasks.
 * Fifth held-out round (``FIFTH_ROUND_TASKS``; defined, and written down in
-  ``benchmarks/fifth_round.md``, before any model was run on them, while the
-  procedure was being revised on the sixteen tasks above, which are now
-  development tasks; this round is the revision's test). Proxies in
-  ``FIFTH_ROUND_PROXY``. ``fortunes_5f``: five ``fortunes`` files no earlier
-  task used (knghtbrd, miscellaneous, disclaimer, linuxcookie, debian; 1,663
-  quotations, 70/15/15 seeded split); ``fortunes_5f_unit_norm``: the same
+  ``benchmarks/results/utility_heldout_feature_normalization.md``, before any
+  model was run on them, while the procedure was being revised on the sixteen
+  tasks above, which are now development tasks; this round is the revision's
+  test). Proxies in ``FIFTH_ROUND_PROXY``. ``fortunes_5f``: five ``fortunes``
+  files no earlier task used (knghtbrd, miscellaneous, disclaimer, linuxcookie,
+  debian; 1,663 quotations, 70/15/15 seeded split); ``fortunes_5f_unit_norm``: the same
   data, split and cache, each feature vector scaled to L2 norm 1 at load time
   (``_FEATURE_MAPS``), as the sentence-transformers all-MiniLM-L6-v2 pipeline
   outputs it (its last module is ``Normalize``): a feature-scale robustness
@@ -126,7 +126,7 @@ KJV_DIVISIONS = (("law", "genesis"), ("history", "joshua"), ("poetry", "job"),
 KJV_TESTAMENTS = (0, 0, 0, 0, 1, 1)  # each division's testament: 0 Old, 1 New
 FOURTH_ROUND_TASKS = ("kjv_testament_2000", "kjv_division", "kjv_division_1000",
                       "milton_vs_shakespeare_2000")
-# Fifth held-out round (benchmarks/fifth_round.md).
+# Fifth held-out round (benchmarks/results/utility_heldout_feature_normalization.md).
 FORTUNE_TOPICS_F = ("knghtbrd", "miscellaneous", "disclaimer", "linuxcookie", "debian")
 KJV_GOSPELS = ("matthew", "mark", "luke", "john")
 MILTON_WORKS = ("paradise_lost", "paradise_regained", "minor_poems", "areopagitica")

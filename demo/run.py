@@ -26,7 +26,7 @@ stage, composed by :func:`run`:
    *reference* (batch 256, Adam 2e-3, the DP run's ``--epochs``), ``same-batch`` (the
    DP run's batch and steps without clipping or noise), ``grid`` (``BASELINE_GRID``,
    slow). report.json ``efficiency.dp_vs_best_non_private_perplexity`` is the ratio
-   issue 38 asks to bring within 1.25x (benchmarks/lm_utility.md has every run).
+   issue 38 asks to bring within 1.25x (benchmarks/results/lm_utility.md has every run).
 6. **perplexity** (:func:`heldout_perplexity`) of the public-only, DP and non-private
    models on the held-out records.
 7. **memorization** (:func:`canary_exposure`): the exposure of each canary
@@ -47,9 +47,9 @@ Configurations (``CONFIGURATIONS``): **quick**, the default, runs every privacy 
 above (DP vocabulary, DP training with the accountant, DP decoding, canaries) at a
 smaller scale (``QUICK_OVERRIDES``) so that a first ``make demo`` ends in a few
 minutes on 2 CPU cores. **full** (``--full``, ``make demo FULL=1``) is the
-configuration the README's results table and benchmarks/lm_utility.md quote: 6,000
-pre-training steps and 3 epochs of fine-tuning (DP held-out perplexity 20.7, 1.36x
-the best non-private model). ``--tiny`` is a smoke test for the test suite. A flag
+configuration the README's results table and benchmarks/results/lm_utility.md quote:
+6,000 pre-training steps and 3 epochs of fine-tuning (DP held-out perplexity 20.7,
+1.36x the best non-private model). ``--tiny`` is a smoke test for the test suite. A flag
 given explicitly always wins over the configuration's value, and the report lists
 every setting that differs from the full configuration.
 """
@@ -96,10 +96,10 @@ STAGES = ("data", "vocabulary", "pretraining", "dp_training", "baselines", "perp
 DEFAULT_BASELINES = ("reference",)
 # The fixed grid of non-private fine-tunes (batch, Adam rate as a multiple of the
 # square-root rule --learning-rate * sqrt(batch / --pretrain-batch-size)), fixed before
-# the DP runs of benchmarks/lm_utility.md; each is trained to --baseline-grid-epochs and
-# scored on the held-out records at 5 evenly spaced checkpoints. The best non-private
-# model at a compute budget of E epochs is the lowest held-out perplexity over all
-# configurations and checkpoints at most E epochs.
+# the DP runs of benchmarks/results/lm_utility.md; each is trained to
+# --baseline-grid-epochs and scored on the held-out records at 5 evenly spaced
+# checkpoints. The best non-private model at a compute budget of E epochs is the
+# lowest held-out perplexity over all configurations and checkpoints at most E epochs.
 BASELINE_GRID = ((64, 1.0), (256, 1.0), (256, 2.0), (1024, 1.0))
 BASELINE_GRID_CHECKPOINTS = 5
 
@@ -153,8 +153,9 @@ CONFIGURATIONS = {
         "`python demo/run.py --full`). Its epsilon guarantee is the same kind and as "
         "strong (the same --target-epsilon and --delta)."),
     "full": (
-        "the configuration the README's results table and benchmarks/lm_utility.md quote "
-        "(`make demo FULL=1`, `python demo/run.py --full`)."),
+        "the configuration the README's results table and "
+        "benchmarks/results/lm_utility.md quote (`make demo FULL=1`, "
+        "`python demo/run.py --full`)."),
     "tiny": (
         "a smoke test of the pipeline (tiny model, data and step counts): its perplexities "
         "and exposures mean nothing; the README's results table quotes the full "
@@ -192,7 +193,7 @@ def build_parser():
     p.add_argument("--pretrain-steps", type=int, default=6000,
                    help="public pre-training steps (default 6000: DP fine-tuning from it "
                         "is 1.36x the best non-private perplexity, from 300 steps 1.57x; "
-                        "benchmarks/lm_utility.md)")
+                        "benchmarks/results/lm_utility.md)")
     p.add_argument("--pretrain-batch-size", type=int, default=64)
     p.add_argument("--epochs", type=float, default=3.0,
                    help="compute budget of the fine-tuning, in passes over the private "
@@ -201,12 +202,14 @@ def build_parser():
                         "a logical batch and a number of steps (default 3: a budget that "
                         "keeps the demo within ~10 min on 2 shared cores; DP held-out "
                         "perplexity 24.3 instead of 27.1 at 1.2 epochs, but the best "
-                        "non-private model gains as much, see benchmarks/lm_utility.md)")
+                        "non-private model gains as much, see "
+                        "benchmarks/results/lm_utility.md)")
     p.add_argument("--min-steps", type=int, default=100,
                    help="the recipe's fewest updates: it spends the --epochs budget on "
                         "batches as large as this allows (default 100, the library's; at 3 "
                         "epochs, 51 updates of 4,096 gave DP perplexity 24.7 and 100 of "
-                        "~2,090 24.3, one run each, see benchmarks/lm_utility.md)")
+                        "~2,090 24.3, one run each, see "
+                        "benchmarks/results/lm_utility.md)")
     p.add_argument("--steps", type=int, default=None,
                    help="override the recipe's DP fine-tuning steps (the baseline runs "
                         "as many)")
@@ -229,7 +232,7 @@ def build_parser():
                         "(default: reference)")
     p.add_argument("--baseline-batch-size", type=int, default=256,
                    help="reference non-private baseline's batch (default 256: the best of "
-                        "the grid, see benchmarks/lm_utility.md)")
+                        "the grid, see benchmarks/results/lm_utility.md)")
     p.add_argument("--baseline-learning-rate", type=float, default=None,
                    help="reference non-private baseline's Adam rate (default: --learning-rate "
                         "scaled by sqrt(batch / --pretrain-batch-size), the grid's rule)")

@@ -2,9 +2,9 @@
 
 A DP head on unbalanced labels drifts to the majority class: every clipped
 example pushes the bias towards its own class with the same force
-(``benchmarks/imbalanced.md``). Logit adjustment (Menon et al. 2021, "Long-tail
-learning via logit adjustment") trains on ``logits + tau * log(prior)`` and
-predicts with the raw logits, so the head does not have to learn the prior and
+(``benchmarks/results/imbalanced.md``). Logit adjustment (Menon et al. 2021,
+"Long-tail learning via logit adjustment") trains on ``logits + tau * log(prior)``
+and predicts with the raw logits, so the head does not have to learn the prior and
 its raw logits rank the classes as if they were balanced. The prior comes from
 the private labels, so it is released with the Gaussian mechanism and counted
 (:meth:`DPClassPriors.dp_event`).

@@ -1,9 +1,10 @@
 """What the utility suite measured, as expectations for :meth:`DPRecipe.explain`.
 
 Measurements, not rules: nothing here changes a recipe's hyperparameters. The
-numbers come from ``benchmarks/feature_normalization.md`` (21 labelled tasks, a DP
-head on frozen MiniLM features, the README's path) and ``benchmarks/imbalanced.md``
-(7 binary tasks with a rare class); update them with those files.
+numbers come from ``benchmarks/results/feature_normalization.md`` (21 labelled tasks,
+a DP head on frozen MiniLM features, the README's path) and
+``benchmarks/results/imbalanced.md`` (7 binary tasks with a rare class); update them
+with those files.
 """
 
 __all__ = ["SMALL_DATA_UNITS_PER_CLASS", "data_regime"]
@@ -24,7 +25,8 @@ def data_regime(n, num_classes):
     """
     per_class = n / num_classes
     rare = ("; with unbalanced classes count the smallest: a class of 50-100 training "
-            "examples was almost never predicted at epsilon 3 (benchmarks/imbalanced.md)")
+            "examples was almost never predicted at epsilon 3 "
+            "(benchmarks/results/imbalanced.md)")
     if per_class >= SMALL_DATA_UNITS_PER_CLASS:
         return (f"data regime: {per_class:.0f} privacy units per class (N / num_classes), at "
                 f"least {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 11 such tasks "
@@ -37,4 +39,4 @@ def data_regime(n, num_classes):
             "about what a non-private head loses on a quarter to half of the data. The "
             "rate, the steps, a projection of the features and a DP class-mean head did "
             "not close it; more examples per class or a larger epsilon do "
-            "(benchmarks/feature_normalization.md)" + rare)
+            "(benchmarks/results/feature_normalization.md)" + rare)
