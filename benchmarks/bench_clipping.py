@@ -108,7 +108,7 @@ def _worker(mode, batch, steps, warmup):
     if mode == "fast-step":
         optimizer = kdp.DPAdam(1e-4, l2_norm_clip=1.0, noise_multiplier=1.0, clipping="fast")
         path = ("minimal DP step: per_example_losses + fast_clipped_sum + "
-                "DPAdam.apply_clipped_sum in one tf.function (no metrics)")
+                "DPAdam._apply_clipped_sum in one tf.function (no metrics)")
     lm.compile(optimizer=optimizer,
                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     lm(x)  # build
@@ -125,8 +125,8 @@ def _worker(mode, batch, steps, warmup):
                 px, py, psw = part
                 return per_example_losses(lm, px, py, lm(px, training=True), psw)
             result = fast_clipping.fast_clipped_sum(lm, loss_fn, data, 1.0, method="fast")
-            optimizer.apply_clipped_sum(optimizer.freeze_privacy_parameters(), result.grads,
-                                        lm.trainable_variables, batch, 0)
+            optimizer._apply_clipped_sum(optimizer.freeze_privacy_parameters(), result.grads,
+                                         lm.trainable_variables, batch, 0)
             return tf.reduce_mean(result.losses)
 
         train = lambda: minimal_step(data).numpy()  # noqa: E731
@@ -342,7 +342,7 @@ embedding frozen {ab['nonprivate_frozen_embedding']:.3f} s and {ab['fast_frozen_
 **{ab['fast_frozen_embedding'] / ab['nonprivate_frozen_embedding']:.2f}x**, so the exact per-example norm of the
 tied vocabulary projection (a [T, T] Gram matrix of logit gradients over all {CONFIG['vocabulary_size']}
 tokens per example) is {100 * (1 - (ab['fast_frozen_embedding'] - ab['nonprivate_frozen_embedding']) / (ab['fast'] - ab['nonprivate'])):.0f}% of the clipping overhead. Beyond that, a DP step draws
-noise for every parameter (`DPAdam.apply_clipped_sum`, ~0.05 s here), and the package DP step
+noise for every parameter (`DPAdam._apply_clipped_sum`, ~0.05 s here), and the package DP step
 (`keras_dp_lm.training.dp_train_step`) computes the compiled metrics (KerasHub tasks always
 compile them, `weighted_metrics="auto"`) from the fast path's batched outputs, which keeps the
 logits alive until the metrics are done: that is the gap between the two fast rows.

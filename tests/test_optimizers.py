@@ -118,7 +118,7 @@ def test_a_parameter_set_before_training_is_validated_like_the_constructor(name,
 
 def test_the_step_reads_one_frozen_parameter_object():
     """Clipping, noise and ledger read the object freeze_privacy_parameters
-    returns; apply_clipped_sum refuses any other (an equal copy included)."""
+    returns; _apply_clipped_sum refuses any other (an equal copy included)."""
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     optimizer = kdp.DPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=2.0, seed=3)
     model.compile(optimizer=optimizer, loss="mse")
@@ -131,9 +131,9 @@ def test_the_step_reads_one_frozen_parameter_object():
     assert copy == params and copy is not params
     zeros = [tf.zeros_like(v) for v in model.trainable_variables]
     with pytest.raises(kdp.PrivacyRefusalError, match="freeze_privacy_parameters"):
-        optimizer.apply_clipped_sum(copy, zeros, model.trainable_variables, 4.0, 1)
+        optimizer._apply_clipped_sum(copy, zeros, model.trainable_variables, 4.0, 1)
     with pytest.raises(kdp.PrivacyRefusalError, match="freeze_privacy_parameters"):
-        kdp.DPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=2.0).apply_clipped_sum(
+        kdp.DPSGD(0.1, l2_norm_clip=0.5, noise_multiplier=2.0)._apply_clipped_sum(
             params, zeros, model.trainable_variables, 4.0, 1)
 
 

@@ -5,7 +5,7 @@ A DP optimizer wraps an inner Keras optimizer (as Keras's
 (``l2_norm_clip``, ``noise_multiplier``), gradient accumulation, the noise and
 the division by the logical batch size. The per-example work (losses,
 gradients, clipping) happens in the DP train step (:mod:`keras_dp_lm.training`),
-which hands the clipped sum to :meth:`DPOptimizer.apply_clipped_sum`; any
+which hands the clipped sum to :meth:`DPOptimizer._apply_clipped_sum`; any
 other route to ``apply_gradients`` raises. The privacy parameters are one
 frozen :class:`~keras_dp_lm.optimizers.PrivacyParameters`, read from that one
 object by the clipping, the noise and the ledger. It serializes by its registered name
@@ -270,14 +270,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
             tf.shape(grad), seed=tf.random.experimental.stateless_fold_in(seed, index),
             stddev=stddev, dtype=grad.dtype) for index, grad in enumerate(grads)]
 
-    def apply_clipped_sum(self, params, clipped_sum, trainable_variables, local_batch_size,
-                          update_index, public_gradients=None):
+    def _apply_clipped_sum(self, params, clipped_sum, trainable_variables, local_batch_size,
+                           update_index, public_gradients=None):
         """Noise, normalise and apply a clipped per-example gradient sum.
 
-        The DP train step calls this, in replica context, once per logical
-        batch. It cannot check that its input was clipped per example: custom
-        loops use the step ``keras_dp_lm.make_private(model)`` returns, which
-        clips, records the update in the model's ledger and then calls this.
+        Only the DP train step calls this, in replica context, once per logical
+        batch. It is private on purpose: it cannot check that its input was
+        clipped per example, and it records nothing in the model's ledger (the
+        step does), so a caller outside the step would apply an update the
+        accountant never counts. Custom loops use the step
+        ``keras_dp_lm.make_private(model)`` returns.
 
         Args:
             params: the :class:`~keras_dp_lm.optimizers.PrivacyParameters` that
@@ -295,7 +297,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         if params is not self._privacy or not self._privacy_frozen:
             raise PrivacyRefusalError(
-                "apply_clipped_sum takes the PrivacyParameters that this optimizer's "
+                "_apply_clipped_sum takes the PrivacyParameters that this optimizer's "
                 "freeze_privacy_parameters() returned, so that the noise drawn here is "
                 "the noise the caller clipped for and records in the ledger.")
         ctx = tf.distribute.get_replica_context()

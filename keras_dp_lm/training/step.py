@@ -293,7 +293,7 @@ def dp_train_step(model, data):
     with tf.control_dependencies([check]):  # nothing below runs for a refused batch
         keep = tf.cast(ok, tf.float32)  # and under XLA, which drops asserts, it adds nothing
         grads = [g * tf.cast(keep, g.dtype) for g in result.grads]
-        optimizer.apply_clipped_sum(params, grads, model.trainable_variables, local_size,
+        optimizer._apply_clipped_sum(params, grads, model.trainable_variables, local_size,
                                     ledger.updates_so_far(),
                                     public_gradients=_regularization_gradients(model))
         for inner in nested:  # at the rate the model's own ledger records
