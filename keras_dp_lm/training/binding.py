@@ -45,7 +45,6 @@ from keras_dp_lm.training.weight_marks import register_model
 from keras_dp_lm.training.weight_marks import registered_models
 from keras_dp_lm.training.model_ledgers import sharing_ledgers
 from keras_dp_lm.training.model_ledgers import saved_ledger
-from keras_dp_lm.training.probing import _PROBE
 from keras_dp_lm.training.probing import _train_function_probing_first
 from keras_dp_lm.training.step import _XLA_CORE
 from keras_dp_lm.training.step import _sharing_grew
@@ -191,9 +190,8 @@ def bind(model):
     own = model.__dict__
     model.train_step = types.MethodType(dp_train_step, model)
     own["_maybe_symbolic_build"] = types.MethodType(_symbolic_build_distributed_safe, model)
-    # A new loss (or model) is probed again, by a probe traced anew.
+    # A new loss (or model) is probed again.
     refusals.probe_state(model).reset()
-    own.pop(_PROBE, None)
     own.pop(_XLA_CORE, None)
     if not getattr(own.get("make_train_function"), "_keras_dp_lm_binding", False):
         model.make_train_function = _dp_make_train_function(model)
