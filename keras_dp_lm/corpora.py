@@ -269,7 +269,13 @@ def speaker_records(text, max_chars=200, min_chars=1, min_speeches=3):
 # --- Rotten Tomatoes: a labelled English classification task ------------------------
 
 Review = collections.namedtuple("Review", ["text", "label", "movie"])
-Review.__doc__ = """One critic snippet: ``text``, ``label`` (1 = fresh, 0 = rotten), ``movie``."""
+Review.__doc__ = """One critic snippet of the Rotten Tomatoes corpus (a named tuple).
+
+Attributes:
+    text: the snippet.
+    label: 1 = fresh, 0 = rotten.
+    movie: the movie it reviews (:func:`split_by_movie` keeps each movie in one split).
+"""
 
 ROTTEN_TOMATOES_LABELS = {"rotten": 0, "fresh": 1}
 

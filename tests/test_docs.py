@@ -111,6 +111,7 @@ def test_site_builds_offline_in_strict_mode(tmp_path):
 
 # The first line of Python builtins' docstrings, as a page would show them (HTML-escaped).
 BUILTIN_DOC_TEXTS = ("Create a new string object", "Built-in immutable sequence",
+                     "Alias for field number",
                      "int([x]) -&gt; integer", "int([x]) -> integer",
                      "Convert a string or number to a floating point number",
                      "bool(x) -&gt; bool", "Returns True when the argument is true",

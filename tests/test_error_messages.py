@@ -72,3 +72,17 @@ def test_budget_used_up_exactly_says_how_many_the_target_allows():
             f"target_epsilon={target:g} (delta=1e-05) allows 6 in total: none remains.") \
         in message
     assert "give the accountant a target_epsilon larger than this one" in message
+
+
+def test_a_target_below_the_first_update_says_what_one_update_costs():
+    model, x, y = _trained_model(epochs=0)
+    first = kdp.compute_epsilon(0.5, B / N, 1, 1e-5, "rdp")
+    with pytest.raises(kdp.PrivacyBudgetExhaustedError) as info:
+        model.fit(x, y, batch_size=B, epochs=1, verbose=0,
+                  callbacks=[_accountant(first * 0.9)])
+    message = str(info.value)
+    assert (f"1 update(s) at noise multiplier 0.5 and sampling rate {B / N:.4g} cost epsilon "
+            f"{first:.3g}") in message, message
+    assert "Raise the noise multiplier" in message and "nothing was applied" in message
+    assert "empty ledger" not in message and "applied 0" not in message
+    assert kdp.ledger_of(model).updates == 0

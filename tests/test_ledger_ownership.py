@@ -5,6 +5,7 @@ units are refused; a full table of rows never reprices an update.
 """
 
 import dp_accounting
+import numpy as np
 import pytest
 import tensorflow as tf
 import keras
@@ -36,7 +37,7 @@ def test_ledger_survives_recompiles_and_optimizer_assignment():
     assert kdp.ledger_of(model).rows() == [(1.0, 0.0, 8.0, 8)]
     accountant = PrivacyAccountant(target_epsilon=50.0, delta=1e-3, dataset_size=16,
                                    batch_size=8, accountant="rdp", verbose=0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="refused a batch"):
+    with pytest.raises(kdp.PrivacyRefusalError, match="refused a batch"):
         model.fit(x, y, batch_size=8, callbacks=[accountant], verbose=0)  # assumes 2.0
     assert kdp.ledger_of(model).updates == 8
     model.compile(optimizer=kdp.DPSGD(1.0, l2_norm_clip=1.0, noise_multiplier=2.0),
@@ -283,3 +284,34 @@ def test_updates_merged_into_an_earlier_row_are_not_repriced_when_taken_over():
     poisson = sum(n for _, q, _, n in later.rows() if q > 0)
     assert poisson >= MAX_ROWS  # all the Poisson updates the weights received
     assert later.updates >= source.updates
+
+
+def test_a_batch_beyond_the_accountant_is_refused_in_words_with_its_numbers():
+    """The step's run-time refusal reaches the user as a PrivacyRefusalError that
+    names the broken limit with both numbers and the fix (not TensorFlow's
+    assertion vectors), and no update is applied."""
+    x = np.random.default_rng(0).normal(size=(400, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=kdp.DPAdam(1e-2, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [np.array(v) for v in model.trainable_variables]
+    accountant = kdp.PrivacyAccountant(dataset_size=400, batch_size=50, delta=1e-5,
+                                       target_epsilon=50)
+    with pytest.raises(kdp.PrivacyRefusalError) as refused:
+        model.fit(x, y, batch_size=80, callbacks=[accountant], verbose=0)
+    message = str(refused.value)
+    assert "this batch has 80 real examples" in message, message
+    assert "fixed-size batches of at most 50" in message, message
+    assert "PrivacyAccountant(batch_size=80" in message, message
+    assert kdp.ledger_of(model).updates == 0
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(np.array(v), b)
+    # the same refusal from a custom loop's step
+    accountant = kdp.PrivacyAccountant(dataset_size=400, batch_size=80, delta=1e-5)
+    accountant.set_model(model)
+    accountant.on_train_begin()
+    step = kdp.make_private(model)
+    with pytest.raises(kdp.PrivacyRefusalError, match="this batch has 100 real examples"):
+        step((x[:100], y[:100]))
+    assert kdp.ledger_of(model).updates == 0

@@ -3,7 +3,8 @@
 The reference is built by inspection (``force_inspection``), so a module constant or
 a dataclass field inherits its value's type docstring (``"Create a new string
 object..."`` for a ``str``, ``"Built-in immutable sequence..."`` for a tuple). Such a
-docstring is replaced by the constant's documentation below, or dropped: a dropped
+docstring, or a named tuple field's ("Alias for field number N"), is replaced by
+the constant's documentation below, or dropped: a dropped
 member is not listed (``show_if_no_docstring`` is off), and dataclass fields are
 documented by their class's own docstring (its ``Attributes:`` section or text).
 ``tests/test_docs.py`` fails if a built page still shows a builtin docstring.
@@ -11,12 +12,15 @@ documented by their class's own docstring (its ``Attributes:`` section or text).
 
 import builtins
 import inspect
+import re
 
 import griffe
 
 _BUILTIN_DOCS = {
     inspect.cleandoc(t.__doc__) for t in vars(builtins).values()
     if isinstance(t, type) and t.__doc__}
+# A named tuple's fields: documented in their class's ``Attributes:`` section.
+_NAMED_TUPLE_FIELD = re.compile(r"Alias for field number \d+")
 
 # Public module constants: {name: documentation}, keyed by the constant's name.
 CONSTANTS = {
@@ -56,6 +60,10 @@ CONSTANTS = {
     "WORDPIECE_RESERVED_TOKENS": (
         "The reserved tokens of a learned WordPiece vocabulary, first and in this "
         "order (BERT-compatible)."),
+    "DEFAULT_TEXT": (
+        "Public-domain English text (Shakespeare's Sonnet 18 and Hamlet III.1) that "
+        "the tiny models and tokenizers of `keras_dp_lm.testing` train on when no "
+        "text is given."),
     "SENTENCEPIECE_RESERVED_TOKENS": (
         "The reserved pieces of a learned SentencePiece model: padding, unknown, "
         "begin and end of sequence, in this order."),
@@ -67,7 +75,8 @@ class BuiltinDocstrings(griffe.Extension):
         docstring = obj.docstring
         if docstring is None or not obj.is_attribute:
             return
-        if inspect.cleandoc(docstring.value) not in _BUILTIN_DOCS:
+        text = inspect.cleandoc(docstring.value)
+        if text not in _BUILTIN_DOCS and not _NAMED_TUPLE_FIELD.fullmatch(text):
             return
         text = CONSTANTS.get(obj.name) if obj.parent is not None and obj.parent.is_module \
             else None

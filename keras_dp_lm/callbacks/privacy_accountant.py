@@ -15,6 +15,7 @@ from keras_dp_lm.accounting._arguments import check_noise
 from keras_dp_lm.accounting._arguments import check_positive_int
 from keras_dp_lm.accounting._arguments import check_number
 from keras_dp_lm.accounting.epsilon import composed_curve
+from keras_dp_lm.accounting.epsilon import compute_epsilon
 from keras_dp_lm.accounting.epsilon import largest_within
 from keras_dp_lm.accounting.epsilon import compose_epsilon
 from keras_dp_lm.accounting.epsilon import ledger_epsilon
@@ -375,6 +376,15 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
                 status = (f", which already spend epsilon {spent:.3g}, more than {target}: "
                           "it allows no further update")
                 larger = f"above {spent:.3g} (the cost of what is already applied)"
+            elif count == 0:  # not even the first execution fits
+                sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
+                first = compute_epsilon(sigma, rate, spe, self.delta, self.accountant)
+                raise PrivacyBudgetExhaustedError(
+                    f"Privacy budget too small for one step: {spe} update(s) at noise multiplier"
+                    f" {sigma:g} and sampling rate {rate:.4g} cost epsilon {first:.3g}, more "
+                    f"than {target}; nothing was applied. Raise the noise multiplier "
+                    "(calibrate_noise_multiplier gives it for your number of steps), sample "
+                    f"smaller batches, or choose a target above {first:.3g} before any result.")
             else:
                 status = (f" (epsilon {spent:.3g} so far) and {target} allows {limit} in "
                           "total" + (": none remains" if limit <= count else

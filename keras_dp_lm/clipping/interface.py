@@ -17,19 +17,20 @@ ClippedSum = collections.namedtuple(
     "ClippedSum", ["grads", "norms", "losses", "outputs", "fast_norms", "exact",
                    "rounding"],
     defaults=(None, None, None, None))
-ClippedSum.__doc__ = """Result of per-example clipping.
+ClippedSum.__doc__ = """Result of per-example clipping (a named tuple).
 
-grads: list aligned with the variables: sum_i clip(g_i) (no noise, not divided).
-norms: [B] per-example gradient L2 norms before clipping.
-losses: [B] per-example losses.
-outputs: model outputs of a batched forward pass, or None when none was made.
-fast_norms: [B] the part of ``norms`` over the variables fast rules read (None
-    from the exact engine).
-exact: bools aligned with the variables, True where the engine took exact
-    per-example gradients (None from the exact engine).
-rounding: [B] the float32 rounding allowance included in ``norms**2`` (the
-    fast engine's norms read from Gram matrices are made upper bounds of the
-    norms of the vectors summed); None from the exact engine.
+Attributes:
+    grads: list aligned with the variables: ``sum_i clip(g_i)`` (no noise, not divided).
+    norms: ``[B]`` per-example gradient L2 norms before clipping.
+    losses: ``[B]`` per-example losses.
+    outputs: model outputs of a batched forward pass, or ``None`` when none was made.
+    fast_norms: ``[B]`` the part of ``norms`` over the variables fast rules read
+        (``None`` from the exact engine).
+    exact: bools aligned with the variables, ``True`` where the engine took exact
+        per-example gradients (``None`` from the exact engine).
+    rounding: ``[B]`` the float32 rounding allowance included in ``norms**2`` (the
+        fast engine's norms read from Gram matrices are made upper bounds of the
+        norms of the vectors summed); ``None`` from the exact engine.
 """
 
 

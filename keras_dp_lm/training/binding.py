@@ -35,6 +35,7 @@ import keras
 import tensorflow as tf
 
 from keras_dp_lm.training import fit_guards
+from keras_dp_lm.training import graph_refusals
 from keras_dp_lm import _keras_internals as internals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training import save_guards
@@ -271,7 +272,9 @@ def _guarded_fit(self, *args, **kwargs):
         kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
         kwargs.get("validation_data", args[7] if len(args) > 7 else None))
     try:
-        return type(self).fit(self, *args, **kwargs)
+        # a refusal the step decides on the batch's values raises in words
+        with graph_refusals.raised_as_privacy_refusals(ledger_of(self, create=False)):
+            return type(self).fit(self, *args, **kwargs)
     finally:
         ledger = ledger_of(self, create=False)
         if ledger is not None:
@@ -281,7 +284,8 @@ def _guarded_fit(self, *args, **kwargs):
 def _guarded_train_on_batch(self, *args, **kwargs):
     """``train_on_batch``, refused first if the ledger could not count it."""
     fit_guards.check_training_is_private(self, is_bound_to_dp_step(self))
-    return type(self).train_on_batch(self, *args, **kwargs)
+    with graph_refusals.raised_as_privacy_refusals(ledger_of(self, create=False)):
+        return type(self).train_on_batch(self, *args, **kwargs)
 
 
 class _CheckedTrainFunction:
@@ -427,6 +431,7 @@ def make_private(model):
             model.optimizer.build(model.trainable_variables)
         if _sharing_grew(model):  # traced anew, so that model's ledger records it
             traced[0] = tf.function(one_step, autograph=False)
-        return traced[0](data)
+        with graph_refusals.raised_as_privacy_refusals(ledger_of(model)):
+            return traced[0](data)
 
     return run

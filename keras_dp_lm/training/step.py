@@ -31,6 +31,7 @@ import tensorflow as tf
 from keras_dp_lm import clipping as clipping_module
 from keras_dp_lm.training import fit_guards
 from keras_dp_lm import _keras_internals as internals
+from keras_dp_lm.training import graph_refusals
 from keras_dp_lm.training import refusals
 from keras_dp_lm.training import save_guards
 from keras_dp_lm.training.batches import _batch_rate
@@ -281,15 +282,11 @@ def dp_train_step(model, data):
         ok = ok & inner.check(sigma, rate, real, unit)  # its unit: never mixed
     with tf.control_dependencies([refuse_mixing]):  # its message first
         ok = tf.identity(ok)
+    # Read back by graph_refusals.as_privacy_refusal, which fit raises instead.
     check = tf.debugging.Assert(ok, [
-        "keras_dp_lm refused a batch beyond what the accountant assumes "
-        "(limits: noise_multiplier >=, sampling_rate <=, real fixed-size batch <=, "
-        "real Poisson batch <=; then this "
-        "batch's values), or of another privacy unit than the model's earlier "
-        "updates (example batches and user batches never mix in one ledger). Pass "
-        "the real batch_size / sampling_rate to PrivacyAccountant, or feed batches "
-        "that match it:",
-        ledger.limits.value, sigma, rate, real, "unit: " + unit])
+        graph_refusals.LEDGER_REFUSAL, graph_refusals.LIMITS, ledger.limits.value,
+        graph_refusals.SIGMA, sigma, graph_refusals.RATE, rate, graph_refusals.REAL, real,
+        graph_refusals.UNIT, unit], summarize=graph_refusals.SUMMARIZE)
     with tf.control_dependencies([check]):  # nothing below runs for a refused batch
         keep = tf.cast(ok, tf.float32)  # and under XLA, which drops asserts, it adds nothing
         grads = [g * tf.cast(keep, g.dtype) for g in result.grads]

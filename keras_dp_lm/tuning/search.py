@@ -1,48 +1,5 @@
-"""A hyperparameter search on private data whose whole cost is accounted.
-
-:func:`private_search` runs DP training trials of a Keras model and releases the
-best one, with the privacy of the *whole* search (every trial's training, every
-trial's noisy validation score, the selection) charged to one budget by
-private selection (Papernot & Steinke 2022; :mod:`keras_dp_lm.accounting.selection`):
-
-1. The private records are split at random into training and validation parts
-   (each record held out independently with probability ``validation_fraction``).
-2. The number of trials ``K`` is drawn, independently of the data, from a
-   truncated negative binomial distribution of mean ``mean_trials``.
-3. Each trial draws a candidate (learning rate, what to train) uniformly at
-   random, trains a fresh model with DP-Adam on Poisson batches, and scores it
-   on the validation part: the number of correct predictions (or of a per-example
-   score in [0, 1]) plus Gaussian noise of std ``score_noise_multiplier``
-   (sensitivity 1).
-4. The trial with the best noisy score is released: its model, candidate and
-   noisy score. Nothing else (how many trials ran, the other scores) is, since
-   the bound covers the best alone: every trial's objects get the same Keras
-   auto-names, and the released model carries neither its optimizer's noise
-   seed nor its training loss (history, metrics). The run time and any
-   ``verbose`` output do reveal the number of trials: keep them to yourself.
-
-The number of records N is public, as everywhere in this package; the parts'
-real sizes are not used (the plan and the score use ``validation_fraction * N``).
-
-Every trial uses the same noise multiplier, sampling rate and steps, calibrated
-so the whole search meets ``target_epsilon`` at ``delta``; after each trial the
-model's ledger is checked against them, so what is reported is what was applied.
-
-Example:
-    >>> import keras, numpy as np
-    >>> from keras_dp_lm import tuning
-    >>> rng = np.random.default_rng(0)
-    >>> x = rng.normal(size=(600, 4)).astype("float32")
-    >>> y = (x[:, 0] > 0).astype("int32")
-    >>> def build(candidate):
-    ...     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    >>> result = tuning.private_search(
-    ...     build, x, y, target_epsilon=8.0, delta=1e-5, epochs=10.0, min_steps=20,
-    ...     candidates=[tuning.Candidate(0.03), tuning.Candidate(0.1)], mean_trials=2,
-    ...     seed=0)
-    >>> result.epsilon <= 8.0, result.score > 0.7
-    (True, True)
-"""
+"""The private and the public hyperparameter search of :mod:`keras_dp_lm.tuning`
+(described, with an example, there)."""
 
 import dataclasses
 import math
@@ -167,7 +124,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
                    l2_norm_clip=0.1, validation_fraction=0.1, score_fn=None,
                    score_noise_multiplier=None, micro_batch_size=None, seed=None,
                    verbose=0):
-    """Search ``candidates`` privately and return the best trial; see the module docstring.
+    """Search ``candidates`` privately and return the best trial (the steps: :mod:`keras_dp_lm.tuning`).
 
     Args:
         build_model: ``build_model(candidate) -> keras.Model``, a fresh,
