@@ -86,3 +86,22 @@ def test_a_target_below_the_first_update_says_what_one_update_costs():
     assert "Raise the noise multiplier" in message and "nothing was applied" in message
     assert "empty ledger" not in message and "applied 0" not in message
     assert kdp.ledger_of(model).updates == 0
+
+
+def test_token_id_batches_with_the_preprocessor_still_set_name_the_fix():
+    import math
+
+    from keras_dp_lm import testing
+    from keras_dp_lm.recipes import suggest_recipe
+
+    texts = [f"record number {i} says hello" for i in range(300)]
+    lm = testing.tiny_gpt2_causal_lm(texts, sequence_length=16)
+    recipe = suggest_recipe(len(texts), target_epsilon=3.0, delta=1e-6, batch_size=32,
+                            steps=2, learning_rate=1e-3,
+                            num_parameters=sum(math.prod(v.shape)
+                                               for v in lm.trainable_variables))
+    batches = recipe.poisson_batches(texts, preprocessor=lm.preprocessor)
+    lm.compile(optimizer=recipe.optimizer(), weighted_metrics=[])   # preprocessor kept
+    with pytest.raises(ValueError, match=r"set `model.preprocessor = None` before fit"):
+        lm.fit(batches, verbose=0)
+    assert kdp.ledger_of(lm).updates == 0

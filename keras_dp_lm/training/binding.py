@@ -81,7 +81,16 @@ def _keep_real_slots_through(preprocess):
 
     def wrapped(x, y=None, sample_weight=None):
         mask, rate, sample_weight = split_real_slots(sample_weight)
-        out = preprocess(x, y, sample_weight)
+        try:
+            out = preprocess(x, y, sample_weight)
+        except (TypeError, ValueError) as error:
+            if isinstance(x, dict) and "token_ids" in x:
+                raise ValueError(
+                    "These batches hold token ids already (as "
+                    "poisson_batches(..., preprocessor=model.preprocessor) makes them), "
+                    "but the model still has its preprocessor, which expects raw text: "
+                    "set `model.preprocessor = None` before fit.") from error
+            raise
         if mask is None:
             return out
         px, py, psw = keras.utils.unpack_x_y_sample_weight(out)
