@@ -477,7 +477,9 @@ def main(argv=None):
         if not args.no_write:
             write_section("utility_suite", text)
         return
-    utility_tasks.build_cache(args.data_dir)
+    needed = list(args.tasks) + ([PROXY[t] for t in args.tasks if t in PROXY]
+                                 if "proxy" in DP_ROWS else [])
+    utility_tasks.build_cache(args.data_dir, utility_tasks.sources_of(needed))
     rows = [run_task(name, args.data_dir, args.repeats) for name in args.tasks]
     text = markdown(rows, args.repeats) if rows else ""
     if args.lm:

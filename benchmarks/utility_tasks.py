@@ -322,8 +322,14 @@ def cache_path(data_dir, source):
     return Path(data_dir) / "utility_suite" / f"{source}_minilm_mean.npz"
 
 
-def build_cache(data_dir):
-    """Compute (once) the features of both sources; returns the cache paths."""
+def sources_of(tasks):
+    """The feature sources ``tasks`` read (what :func:`build_cache` must compute)."""
+    return sorted({_SOURCES[name][0] for name in tasks})
+
+
+def build_cache(data_dir, sources=None):
+    """Compute (once) the features of every source (or of ``sources`` only);
+    returns the cache paths."""
     classifier = None
     paths = []
     for source, loader in (
@@ -343,6 +349,8 @@ def build_cache(data_dir):
             ("milton_work", _milton_work_texts),
             ("shakespeare_play",
              lambda d: _shakespeare_texts(d, tuple((play,) for play in PLAYS_F)))):
+        if sources is not None and source not in sources:
+            continue
         path = cache_path(data_dir, source)
         paths.append(path)
         if path.exists():
