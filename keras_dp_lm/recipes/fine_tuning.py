@@ -360,8 +360,9 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
                        "keras_dp_lm.data.DPFeatureNormalization gives them")
     else:
         lr = learning_rate * scale * noise_factor
-        reasons.append(f"learning rate {lr:.3g}: your non-private {learning_rate:g} at batch "
-                       f"{reference_batch_size} times {scale:.2f} (square-root batch scaling "
+        reasons.append(f"learning rate {lr:.3g}: your non-private {learning_rate:g}, taken as "
+                       f"tuned at batch {reference_batch_size} (reference_batch_size), times "
+                       f"{scale:.2f} (square-root batch scaling "
                        f"for Adam, at most {max_learning_rate_scale:g}x) times "
                        f"{noise_factor:.2f} ({noise_reason})")
     if ratio is not None:
