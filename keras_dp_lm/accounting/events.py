@@ -103,6 +103,10 @@ def make_accountant(accountant="pld"):
 def dp_sgd_event(noise_multiplier, sampling_rate, steps):
     """The ``DpEvent`` of ``steps`` Poisson-sampled Gaussian updates (DP-SGD).
 
+    Each update samples every example with probability ``sampling_rate`` (q, in
+    (0, 1]) and adds Gaussian noise of std ``noise_multiplier`` (sigma, >= 0) times
+    the clipping norm; ``steps == 0`` gives a ``NoOpDpEvent``.
+
     Example:
         >>> dp_sgd_event(1.0, 0.01, 100).count
         100
@@ -195,19 +199,21 @@ class LedgerRow(typing.NamedTuple):
     updates: int
 
     def rate(self, dataset_size):
-        """q: the sampler's rate, or the largest real batch / N for fixed batches."""
+        """q: the sampler's rate, or the largest real batch / ``dataset_size``
+        (N, the number of privacy units; capped at 1) for fixed batches."""
         if self.sampling_rate > 0:
             return self.sampling_rate
         return min(1.0, self.max_real_batch / dataset_size)
 
     def dp_event(self, dataset_size):
-        """The row's ``dp_accounting`` event: ``updates`` Poisson-sampled Gaussians."""
+        """The row's ``dp_accounting`` event: ``updates`` Poisson-sampled Gaussians
+        at :meth:`rate` for ``dataset_size`` privacy units."""
         return dp_sgd_event(self.noise_multiplier, self.rate(dataset_size), self.updates)
 
 
 def ledger_events(rows, dataset_size):
     """``DpEvent`` of a privacy ledger's rows (:class:`LedgerRow`), one per row
-    with updates.
+    with updates; ``dataset_size`` (privacy units) prices fixed-size rows.
 
     Example:
         >>> ledger_events([(1.0, 0.01, 12.0, 100)], dataset_size=1000)[0].count

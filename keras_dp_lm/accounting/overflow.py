@@ -52,8 +52,9 @@ def suggest_max_batch_size(dataset_size, sampling_rate, steps, max_overflow_prob
     """Smallest ``max_batch_size`` whose overflow probability over ``steps`` draws
     is at most ``max_overflow_probability``.
 
-    Computed for ``dataset_size + 1`` examples, so it also holds for the
-    add-one neighbouring dataset of the privacy analysis.
+    Each draw keeps every example with probability ``sampling_rate`` (q, in
+    (0, 1]). Computed for ``dataset_size + 1`` examples, so it also holds for
+    the add-one neighbouring dataset of the privacy analysis. 1 for no steps.
 
     Example:
         >>> suggest_max_batch_size(60000, 256 / 60000, steps=2000)

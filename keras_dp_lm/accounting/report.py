@@ -53,7 +53,8 @@ def privacy_report(noise_multiplier, sampling_rate, steps, delta, *,
     accountant adds no delta of its own: the total is the whole pipeline's
     epsilon at the delta you gave. ``sum_epsilon`` is the simple sum of
     epsilons, each event's at ``delta``, at ``sum_delta`` (``delta`` per
-    event plus the pairs' deltas), for comparison only.
+    event plus the pairs' deltas), for comparison only. ``extra_events``: the
+    other releases, each a ``DpEvent`` or an ``(epsilon, delta)`` pair.
 
     Example:
         >>> r = privacy_report(1.1, 0.01, 1000, 1e-5, extra_events=[(0.5, 1e-6)])
@@ -155,7 +156,7 @@ def format_epsilon(value):
 
 
 def privacy_statement(report):
-    """A readable paragraph for a :func:`privacy_report` dict.
+    """A readable paragraph for a :func:`privacy_report` dict ``report``.
 
     Epsilons are rounded up to 3 significant digits.
 

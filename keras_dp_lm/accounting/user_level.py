@@ -22,9 +22,14 @@ def user_level_epsilon(noise_multiplier, sampling_rate, steps, delta,
                        examples_per_user, method="group", accountant="pld"):
     """Epsilon for a USER who contributes at most ``examples_per_user`` (k) examples.
 
-    Two methods, each a theorem applied to ``dp_accounting`` output:
+    The training is ``steps`` DP-SGD updates with ``noise_multiplier`` (sigma,
+    the noise std over the clipping norm C) at Poisson ``sampling_rate``;
+    epsilon is at ``delta``, by ``accountant`` ``"pld"`` (the default) or
+    ``"rdp"``. 0 for no steps, ``inf`` for ``noise_multiplier == 0``.
 
-    ``"group"`` (ordinary example-level DP-SGD, examples sampled independently):
+    Two values of ``method``, each a theorem applied to ``dp_accounting`` output:
+
+    ``"group"`` (the default; example-level DP-SGD, examples sampled independently):
         group privacy. If the training is (e, d')-DP for one example, it is
         ``(k*e, d' * sum_{i<k} exp(i*e))``-DP for k examples (apply the
         definition k times along add/remove-one neighbours). ``d'`` is chosen by

@@ -51,7 +51,9 @@ def clipping_coverage(model, sequence_length=None, batch_size=None):
 
 
 def exact_reason(model, variable):
-    """Why ``variable`` gets exact per-example gradients ("" when it does not)."""
+    """Why ``variable`` of ``model`` gets exact per-example gradients ("" when it
+    does not): the reason the last :func:`fast_clipped_sum` on ``model``
+    recorded, else one read from the model's layers."""
     reason = _LAST_REASONS.get(model, {}).get(_var_path(variable))
     if reason:
         return reason
@@ -75,7 +77,15 @@ def exact_reason(model, variable):
 
 
 def coverage_report(model, sequence_length=None, batch_size=None):
-    """A readable table of :func:`clipping_coverage` with layer names and sizes."""
+    """A readable table of :func:`clipping_coverage` with layer names and sizes.
+
+    One row per trainable variable of ``model`` (a Keras model), then each
+    method's share of the parameters and the uncovered layers.
+    ``sequence_length`` (tokens per example) and ``batch_size`` (examples per
+    call) are the shapes the ghost / instantiate choice is estimated at, as in
+    :func:`clipping_coverage`: None reports the last :func:`fast_clipped_sum`
+    call's decisions, or estimates at 128 and 32.
+    """
     cov = clipping_coverage(model, sequence_length, batch_size)
     plan = _Plan(model)
     rows = []

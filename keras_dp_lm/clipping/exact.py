@@ -65,6 +65,13 @@ def one_example_gradient(loss_fn, example, variables):
 def per_example_gradients(loss_fn, data, variables, batch_size=None):
     """Exact per-example gradients: one float32 ``[B, *v.shape]`` tensor per variable.
 
+    ``loss_fn(batch)`` returns the per-example losses of any slice of ``data``
+    (a nested structure of tensors with a leading batch dimension); example
+    ``i``'s gradient is that of its summed loss with respect to ``variables``
+    (zeros where unconnected). ``batch_size``: B, the number of examples taken
+    from the front of ``data``; None reads it from ``data``
+    (:func:`batch_size_of`).
+
     Example:
         >>> import keras, numpy as np
         >>> from keras_dp_lm.clipping.exact import per_example_gradients

@@ -37,7 +37,8 @@ Attributes:
 class UncoveredLayersError(ValueError):
     """Raised by ``method="fast"`` when some trainable variables have no fast rule.
 
-    ``uncovered`` maps a layer description to the list of its variable paths.
+    ``uncovered`` maps a layer description to the list of its variable paths;
+    ``reason`` (optional) is a short phrase shown in parentheses in the message.
     """
 
     def __init__(self, uncovered, reason=None):
@@ -64,7 +65,8 @@ def onednn_enabled():
 
 
 def clip_factors(norms, l2_norm_clip, slot_mask=None):
-    """``min(1, C / norm)`` per example, in float32.
+    """``min(1, C / norm)`` per example, in float32, for ``norms`` (``[B]``
+    per-example gradient L2 norms) and ``l2_norm_clip`` (C, the clipping bound).
 
     1 for a zero gradient; 0 for a non-finite norm, and on padding slots when
     ``slot_mask`` (1 real, 0 padding) is given: with :func:`scale_examples`
@@ -133,7 +135,9 @@ def check_examples_per_user(examples_per_user):
 def sum_user_rows(per_example, examples_per_user):
     """``[B, ...] -> [B / k, ...]``: the sum of each user's ``k`` consecutive rows.
 
-    Rows ``u * k .. u * k + k - 1`` belong to user ``u`` (the layout of
+    ``per_example``: a ``[B, ...]`` tensor of per-row values; ``examples_per_user``:
+    ``k``, a positive int dividing B (1 returns ``per_example`` unchanged). Rows
+    ``u * k .. u * k + k - 1`` belong to user ``u`` (the layout of
     :func:`keras_dp_lm.data.poisson_user_batches`).
 
     Example:
@@ -156,6 +160,9 @@ def sum_user_rows(per_example, examples_per_user):
 def user_slot_mask(slot_mask, examples_per_user):
     """``[B] -> [B / k]``: 1 for a user with at least one real slot, else 0.
 
+    ``slot_mask``: ``[B]``, 1 on real slots and 0 on padding; ``examples_per_user``:
+    ``k``, the consecutive rows of one user (1 returns the mask as float32).
+
     Example:
         >>> from keras_dp_lm.clipping import user_slot_mask
         >>> user_slot_mask([1.0, 0.0, 0.0, 0.0], 2).numpy().tolist()
@@ -169,7 +176,8 @@ def user_slot_mask(slot_mask, examples_per_user):
 
 
 def batch_size_of(data):
-    """Leading dimension of the first tensor in a nested structure."""
+    """Leading dimension of the first non-None tensor in the nested structure
+    ``data`` (a Python int when static, else a scalar tensor)."""
     first = next(t for t in tf.nest.flatten(data) if t is not None)
     static = first.shape[0]
     return static if static is not None else tf.shape(first)[0]

@@ -29,6 +29,10 @@ PADDING_MODES = ("bucket", "max")
 def padding_buckets(dataset_size, sampling_rate, max_batch_size, ratio=1.15):
     """Batch sizes a Poisson batch is padded up to: ratio-spaced up to the cap.
 
+    For ``dataset_size`` (N) units drawn at Poisson rate ``sampling_rate`` (q),
+    expected batch ``N * q``, padded to at most ``max_batch_size`` (the cap,
+    always the largest bucket); ``ratio`` (> 1) spaces the buckets.
+
     A batch of ``c`` real examples is padded to the smallest bucket ``>= c``, so
     the padded compute is at most ``ratio`` times the real one for every batch
     of at least the smallest bucket; buckets start about 6 standard deviations

@@ -181,8 +181,14 @@ def iter_poisson_batches(data, sampling_rate, max_batch_size, seed=None,
                          bucket_ratio=1.15):
     """NumPy generator behind :func:`poisson_batches` (same arguments).
 
-    Yields ``(x, y, attach_real_slots(sample_weight, real_slots, q))``, padded
-    to ``max_batch_size`` (``padding="max"``, the default here) or to a bucket.
+    ``data``: ``(x, y)`` or ``(x, y, sample_weight)`` arrays with N rows (or a
+    finite ``tf.data.Dataset`` of such tuples); ``sampling_rate``: q;
+    ``overflow``: ``"raise"`` or ``"truncate"``; ``bucket_ratio``: the bucket
+    spacing with ``padding="bucket"``; ``seed`` (None: OS entropy) seeds the
+    draws unless ``rng``, a NumPy ``Generator``, is given to draw from;
+    ``num_steps``: batches to yield (default ``ceil(1 / q)``). Yields
+    ``(x, y, attach_real_slots(sample_weight, real_slots, q))``, padded to
+    ``max_batch_size`` (``padding="max"``, the default here) or to a bucket.
 
     Example:
         >>> import numpy as np

@@ -17,6 +17,7 @@ SAMPLE_WEIGHT_KEY = "sample_weight"
 def attach_real_slots(sample_weight, real_slots, sampling_rate=None):
     """Mark which slots of a padded batch are real examples.
 
+    ``real_slots``: ``[B]`` mask, 1 for a real example and 0 for a padding slot.
     Returns the structure to pass as a batch's ``sample_weight``: the DP step
     (and, for KerasHub tasks, their preprocessing) recognises it, takes the
     mask of real slots out, gives padding slots a loss of exactly zero, and

@@ -171,7 +171,8 @@ def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
 
 
 def records_per_user(user_ids):
-    """Sorted record counts per user (to choose ``examples_per_user``).
+    """Sorted record counts per user (to choose ``examples_per_user``):
+    ``user_ids`` holds one id per record (any hashable, sortable values).
 
     Example:
         >>> records_per_user(["a", "b", "a", "c", "a"]).tolist()

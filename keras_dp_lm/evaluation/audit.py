@@ -62,6 +62,8 @@ def audit_lower_bound(num_guesses, num_correct, confidence=0.95, delta=0.0,
             delta-adjusted p-value and needs ``num_examples`` (``m``, all canaries,
             guessed or not); with ``delta = 0`` the bound is for pure eps-DP.
         num_examples: ``m``; defaults to ``num_guesses`` (only allowed for delta=0).
+        tol: the bisection stops when the bracket on epsilon is narrower than
+            this; the returned lower end is never above the exact bound.
     """
     if not 0 < confidence < 1:
         raise ValueError("confidence must be in (0, 1)")
@@ -92,7 +94,20 @@ def audit_lower_bound(num_guesses, num_correct, confidence=0.95, delta=0.0,
 
 @dataclasses.dataclass
 class AuditResult:
-    """Outcome of :func:`one_run_audit`."""
+    """Outcome of :func:`one_run_audit`.
+
+    Attributes:
+        epsilon_lower_bound: the audited epsilon lower bound
+            (:func:`audit_lower_bound`; 0 without evidence, ``inf`` beyond 1e4).
+        num_canaries: ``m``, all canaries scored.
+        num_included: how many of them were in the training data.
+        k_plus: guesses "included" (the highest scores).
+        k_minus: guesses "excluded" (the lowest scores).
+        num_guesses: ``r = k_plus + k_minus``.
+        num_correct: ``v``, the correct guesses.
+        confidence: the probability with which the bound holds.
+        delta: the delta of the DP claim tested (0: pure epsilon-DP).
+    """
 
     epsilon_lower_bound: float
     num_canaries: int
@@ -158,7 +173,10 @@ def membership_scores(causal_lm_or_fn, texts, reference=None, batch_size=64,
                       sequence_length=None):
     """Per-text membership score: log-likelihood under the model, minus that under
     ``reference`` (a model never trained on the texts) when given. Higher = more
-    likely a training member."""
+    likely a training member. ``causal_lm_or_fn`` (and ``reference``): a KerasHub
+    CausalLM or a function texts -> log-likelihoods (:func:`as_log_likelihood_fn`);
+    ``batch_size`` (texts per forward pass) and ``sequence_length`` (tokens,
+    default the preprocessor's) apply to CausalLM scoring only."""
     texts = [str(t) for t in texts]
     scores = as_log_likelihood_fn(causal_lm_or_fn, batch_size, sequence_length)(texts)
     if reference is not None:

@@ -40,7 +40,7 @@ class CanarySpace:
 
     def sample(self, num, seed=None, exclude=()) -> list:
         """``num`` texts with uniformly random secrets (with replacement), never any
-        text in ``exclude``."""
+        text in ``exclude``; ``seed`` seeds NumPy's generator (None: fresh entropy)."""
         rng = np.random.default_rng(seed)
         exclude = set(exclude)
         out = []
@@ -62,7 +62,14 @@ def _random_indices(rng, size, num):
 
 @dataclasses.dataclass(frozen=True)
 class Canary:
-    """One inserted secret: ``text`` is what goes into the training data."""
+    """One inserted secret: ``text`` is what goes into the training data.
+
+    Attributes:
+        text: the canary's text in its space's ``format``.
+        secret: the ``num_digits``-digit string.
+        space: the :class:`CanarySpace` it was drawn from (the candidates of
+            :func:`exposure`).
+    """
 
     text: str
     secret: str

@@ -21,6 +21,10 @@ class ExposureResult:
     ``exposure`` is in bits. ``rank`` (rank method) is the canary's mid-rank among the
     ``space_size`` candidates; the extrapolated method records the fitted
     ``distribution`` and its ``fit_params`` (scipy order) instead.
+    ``canary_log_perplexity`` is the canary's negated log-likelihood (nats),
+    ``num_candidates_scored`` the other candidates scored, and ``capped`` is
+    True when the extrapolated value was cut to ``log2(space_size)``
+    (``space_size`` is -1 when extrapolated without a known space).
     """
 
     exposure: float

@@ -9,7 +9,18 @@ import numpy as np
 
 @dataclasses.dataclass
 class ExtractionResult:
-    """Greedy-decoding extraction of training continuations."""
+    """Greedy-decoding extraction of training continuations.
+
+    Attributes:
+        num_examples: training texts tested (long enough, at most ``max_examples``).
+        prefix_tokens: prompt length in tokens.
+        suffix_tokens: target length in tokens.
+        exact_match_rate: fraction of examples whose whole suffix was reproduced
+            (NaN with no example).
+        token_accuracy: fraction of suffix tokens right, position by position.
+        examples: up to ``num_shown`` dicts with ``prefix``, ``true_suffix`` and
+            ``generated_suffix`` texts.
+    """
 
     num_examples: int
     prefix_tokens: int
@@ -40,6 +51,18 @@ def extraction_test(causal_lm, training_texts, prefix_tokens=8, suffix_tokens=8,
     preprocessor adds one) are the prompt, the next ``suffix_tokens`` the target.
     Decoding is greedy (argmax of the model's logits), independent of the sampler
     the model was compiled with.
+
+    Args:
+        causal_lm: a KerasHub CausalLM with a preprocessor (its tokenizer splits
+            the texts).
+        training_texts: the texts it was trained on.
+        prefix_tokens: prompt length in tokens (>= 1).
+        suffix_tokens: tokens to decode and compare (>= 1).
+        max_examples: test at most this many eligible texts, a random subset
+            drawn with ``seed`` (None: all).
+        batch_size: prompts decoded together.
+        seed: NumPy seed of that subset.
+        num_shown: how many decoded examples the result keeps.
 
     Returns:
         :class:`ExtractionResult` with the exact-match rate (whole suffix right) and

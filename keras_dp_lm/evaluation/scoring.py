@@ -15,6 +15,8 @@ def sequence_log_likelihood(causal_lm, texts, batch_size=64, sequence_length=Non
     (start token as context, end token predicted), so the score is the negated
     training loss of the text times its number of predicted tokens. Texts longer than
     ``sequence_length`` (default: the preprocessor's) are truncated.
+    ``causal_lm``: a KerasHub CausalLM with a preprocessor; ``batch_size``: texts per
+    forward pass.
 
     Returns a float64 array (and the per-text number of scored tokens if
     ``return_token_counts``).
@@ -47,9 +49,11 @@ def sequence_log_likelihood(causal_lm, texts, batch_size=64, sequence_length=Non
 def as_log_likelihood_fn(causal_lm_or_fn, batch_size=64, sequence_length=None) -> Callable:
     """A function ``texts -> np.ndarray of log-likelihoods``.
 
-    Accepts a KerasHub CausalLM (scored with :func:`sequence_log_likelihood`, packed to
+    ``causal_lm_or_fn``: a KerasHub CausalLM (scored with
+    :func:`sequence_log_likelihood` in batches of ``batch_size`` texts, packed to
     ``sequence_length`` tokens, default the preprocessor's) or any callable already
-    mapping a list of texts to log-likelihoods (natural log).
+    mapping a list of texts to log-likelihoods (natural log; the two numbers are
+    then unused).
     """
     if getattr(causal_lm_or_fn, "preprocessor", None) is not None and hasattr(
             causal_lm_or_fn, "backbone"):

@@ -30,6 +30,9 @@ _CONTROL = 3   # GGUF token type of special (control) tokens
 def unpermute_rotary_rows(weight, num_heads):
     """Undo llama.cpp's per-head rotary row order of a ``[heads * head_dim, in]`` matrix.
 
+    ``weight``: the query or key projection as read from the GGUF file;
+    ``num_heads``: its number of heads (``head_dim`` must be even).
+
     Example:
         >>> import numpy as np
         >>> w = np.arange(8 * 2).reshape(8, 2)          # 2 heads of 4 rows
@@ -66,7 +69,8 @@ class GGUFCheckpoint:
         self.architecture = self.field("general.architecture")
 
     def field(self, key, default=None):
-        """A metadata value (str, number or list), or ``default`` if absent."""
+        """The metadata value under ``key`` (e.g. ``"llama.embedding_length"``: a
+        str, number or list), or ``default`` if absent."""
         f = self._reader.fields.get(key)
         return default if f is None else f.contents()
 

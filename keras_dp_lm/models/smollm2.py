@@ -11,6 +11,9 @@ from keras_dp_lm._fetching import default_data_dir
 def smollm2_path(data_dir=None):
     """The fetched SmolLM2-135M-Instruct GGUF file; a clear error if it is missing.
 
+    It is ``<data_dir>/smollm2/`` + ``SMOLLM2_FILE``; ``data_dir`` None means
+    :func:`keras_dp_lm.corpora.default_data_dir`. Nothing is fetched here.
+
     30 layers, hidden 576, 9 query / 3 key-value heads, vocabulary 49,152, tied
     embeddings; 4-bit (``Q4_1``) weights with an 8-bit embedding table, 98 MB.
     """

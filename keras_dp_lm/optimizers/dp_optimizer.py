@@ -77,9 +77,10 @@ def _check_inner(optimizer):
             "one: a DP step accumulates micro-batches of one logical batch.")
 
 
-def _privacy_parameter(name, field=None):
+def _privacy_parameter(name, doc, field=None):
     """A property reading ``field`` (default ``name``) of the optimizer's
-    :class:`PrivacyParameters`; settable (validated) until the step freezes them."""
+    :class:`PrivacyParameters`; settable (validated) until the step freezes them.
+    ``doc`` says what the value is; the docstring adds when it can change."""
     field = field or name
 
     def get(self):
@@ -94,7 +95,8 @@ def _privacy_parameter(name, field=None):
                 "build a new DP optimizer and compile again; the model's privacy "
                 "ledger (keras_dp_lm.ledger_of(model)) keeps counting every update.")
         self._privacy = self._privacy.with_values(**{field: value})
-    return property(get, set_, doc=f"``{name}`` (read-only once the DP step is traced).")
+    return property(get, set_, doc=f"{doc}; settable (validated) until the DP step is "
+                    "traced, then read-only.")
 
 
 @keras.saving.register_keras_serializable(package="keras_dp_lm")
@@ -126,6 +128,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             share noise that the accountant counts as independent.
         clipping: ``"auto"`` (fast per-layer rules where available, exact
             elsewhere), ``"fast"`` (refuse uncovered layers) or ``"exact"``.
+        name: the optimizer's name; default ``"dp_"`` + the inner optimizer's.
 
     The privacy parameters are frozen once the DP step has been traced.
 
@@ -179,11 +182,20 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._track_variable(self.dp_updates)
         self._track_variable(self.dp_last_batch_size)
 
-    l2_norm_clip = _privacy_parameter("l2_norm_clip")
-    noise_multiplier = _privacy_parameter("noise_multiplier")
-    dp_accumulation_steps = _privacy_parameter("dp_accumulation_steps", "accumulation_steps")
-    expected_batch_size = _privacy_parameter("expected_batch_size")
-    clipping = _privacy_parameter("clipping")
+    l2_norm_clip = _privacy_parameter(
+        "l2_norm_clip", "C, the bound on each example's (or user's) gradient L2 norm")
+    noise_multiplier = _privacy_parameter(
+        "noise_multiplier", "sigma: the summed clipped gradient gets Gaussian noise of "
+        "std ``sigma * l2_norm_clip``")
+    dp_accumulation_steps = _privacy_parameter(
+        "dp_accumulation_steps", "k, the micro-batches of one logical batch (the "
+        "``gradient_accumulation_steps`` argument)", "accumulation_steps")
+    expected_batch_size = _privacy_parameter(
+        "expected_batch_size", "The divisor of the noised sum (``q * N`` for Poisson "
+        "batches), or None to divide by the batch's example count")
+    clipping = _privacy_parameter(
+        "clipping", 'The per-example clipping method: ``"auto"``, ``"fast"`` or '
+        '``"exact"``')
 
     @property
     def privacy_parameters(self):
@@ -382,6 +394,14 @@ def make_dp_optimizer(optimizer, l2_norm_clip, noise_multiplier,
                       gradient_accumulation_steps=1, expected_batch_size=None,
                       seed=None, clipping="auto"):
     """Turn any Keras optimizer (instance or class) into a :class:`DPOptimizer`.
+
+    A class is instantiated with its defaults. The other arguments are
+    :class:`DPOptimizer`'s: ``l2_norm_clip`` (C), ``noise_multiplier`` (sigma),
+    ``gradient_accumulation_steps`` (micro-batches per logical batch, default
+    1), ``expected_batch_size`` (divisor of the noised sum; None divides by the
+    batch's example count, ``q * N`` is required for Poisson batches), ``seed``
+    (noise seed for tests; None draws it from OS entropy) and ``clipping``
+    (``"auto"``, ``"fast"`` or ``"exact"``).
 
     Example:
         >>> import keras

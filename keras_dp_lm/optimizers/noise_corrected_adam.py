@@ -54,6 +54,7 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
         floor_ratio: the corrected second moment is floored at
             ``floor_ratio * phi`` (``gamma'`` in Tang et al.). Smaller values let
             weak-signal coordinates move more, and pure-noise coordinates too.
+        name: the optimizer's name (default ``"noise_corrected_adam"``).
         **kwargs: the other arguments of ``keras.optimizers.Optimizer``.
 
     Example:

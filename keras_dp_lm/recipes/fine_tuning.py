@@ -110,8 +110,11 @@ class DPRecipe:
     def optimizer(self, name="adam", seed=None, **kwargs):
         """A DP optimizer built from the recipe (``"adam"``, ``"adamw"`` or ``"adambc"``).
 
-        ``kwargs`` go to the optimizer (e.g. ``weight_decay`` for AdamW); the
-        privacy parameters come from the recipe. ``"adambc"``
+        ``name`` picks the class (default ``"adam"``: :class:`~keras_dp_lm.optimizers.DPAdam`);
+        ``seed`` is its noise seed (None, the default, draws it from OS entropy;
+        a fixed seed is for reproducible tests only). ``kwargs`` go to the optimizer
+        (e.g. ``weight_decay`` for AdamW); the privacy parameters come from the
+        recipe. ``"adambc"``
         (:class:`~keras_dp_lm.optimizers.DPAdamBC`) takes the DP noise out of
         Adam's second moment, so its default rate is the recipe's without the
         noise factor (``learning_rate / noise_learning_rate_factor``).
@@ -134,7 +137,10 @@ class DPRecipe:
             **kwargs)
 
     def poisson_batches(self, data, seed=None, **kwargs):
-        """:func:`keras_dp_lm.data.poisson_batches` at the recipe's rate and steps."""
+        """:func:`keras_dp_lm.data.poisson_batches` at the recipe's rate and steps,
+        padded to at most :meth:`max_batch_size`. ``seed``: None (the default)
+        draws from OS entropy; a fixed seed is for tests. ``kwargs`` go to
+        ``poisson_batches`` (e.g. ``preprocessor``, ``max_batch_size``)."""
         from keras_dp_lm import data as data_lib
 
         cap = kwargs.pop("max_batch_size", None) or self.max_batch_size()
@@ -143,7 +149,11 @@ class DPRecipe:
 
     def poisson_user_batches(self, data, user_ids, examples_per_user, seed=None, **kwargs):
         """:func:`keras_dp_lm.data.poisson_user_batches` at the recipe's rate and
-        steps, for a recipe made with ``dataset_size`` = the number of users."""
+        steps, for a recipe made with ``dataset_size`` = the number of users.
+        ``user_ids``: one id per record of ``data``; ``examples_per_user``: k, the
+        most records of one user per step; ``seed`` as for :meth:`poisson_batches`;
+        ``kwargs`` go to ``poisson_user_batches`` (``max_users`` defaults to
+        :meth:`max_batch_size`)."""
         from keras_dp_lm import data as data_lib
 
         cap = kwargs.pop("max_users", None) or self.max_batch_size()
@@ -167,7 +177,10 @@ class DPRecipe:
         """A :class:`~keras_dp_lm.callbacks.PrivacyAccountant` that stops at the recipe's
         training epsilon and composes the extra events into its report. Pass
         ``extra_events=[]`` when the model's ledger already holds them (earlier
-        DP training of the same weights: a DP linear probe of its own head)."""
+        DP training of the same weights: a DP linear probe of its own head).
+        ``batches``: the Poisson dataset the model is fitted on (it carries the
+        rate and size); None accounts for the recipe's ``dataset_size``.
+        ``kwargs`` go to ``PrivacyAccountant``."""
         from keras_dp_lm.callbacks import PrivacyAccountant
 
         kwargs.setdefault("target_epsilon", self.training_epsilon * (1 + 1e-9))
@@ -234,6 +247,10 @@ def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_
             ``gradient_accumulation_steps``. ``None``: no accumulation.
         learning_rate: the Adam learning rate you would use NON-privately at
             ``reference_batch_size`` (it is scaled for the DP batch and noise).
+        reference_batch_size: the batch size that rate was chosen for (32).
+        max_learning_rate_scale: cap on the square-root batch scaling of the
+            rate, ``sqrt(batch / reference_batch_size)`` (8 by default; the
+            scale is never below 1).
         num_parameters: the number of trainable parameters (e.g.
             ``sum(math.prod(v.shape) for v in model.trainable_variables)``):
             sets the noise factor of the learning rate. ``None`` leaves the rate

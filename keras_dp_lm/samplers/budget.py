@@ -162,14 +162,16 @@ class DecodingBudget:
         return new_total <= self.total_epsilon * (1.0 + self._RELATIVE_SLACK)
 
     def can_afford_rdp(self, rdp):
-        """Whether :meth:`charge_rdp` of this curve would succeed."""
+        """Whether :meth:`charge_rdp` of the curve ``rdp`` (one non-negative value
+        per order of :attr:`orders`) would succeed."""
         self._require_rdp("can_afford_rdp")
         rdp = self._check_rdp(rdp)
         new_epsilon = self._epsilon_of(self.rdp_spent + rdp)
         return new_epsilon <= self.total_epsilon * (1.0 + self._RELATIVE_SLACK)
 
     def charge_rdp(self, rdp):
-        """Add an RDP curve (at :attr:`orders`) to the ledger; raise
+        """Add the RDP curve ``rdp`` (one non-negative value per order of
+        :attr:`orders`) to the ledger; raise
         :class:`BudgetExhaustedError` (charging nothing) if the ledger would then
         convert above ``total_epsilon`` at ``delta``. Returns the remaining epsilon."""
         self._require_rdp("charge_rdp")
@@ -213,7 +215,9 @@ class DecodingBudget:
 
     def rdp_for(self, causal_lm, prompts, max_length=None, composition="sequential"):
         """The RDP curve (at :attr:`orders`) :meth:`generate` would charge
-        (``(epsilon, delta)`` mode; charges nothing)."""
+        (``(epsilon, delta)`` mode; charges nothing). ``causal_lm``, ``prompts``,
+        ``max_length`` and ``composition`` as for :meth:`generate`: each
+        sequence costs its sampled tokens times the sampler's per-token curve."""
         self._require_rdp("rdp_for")
         sampler = self._sampler_of(causal_lm, composition)
         max_length, prompt_lengths = _prompt_lengths(causal_lm, prompts, max_length)
@@ -251,8 +255,9 @@ class DecodingBudget:
     def epsilon_for(self, causal_lm, prompts, max_length=None, composition="sequential"):
         """What :meth:`generate` would charge for these arguments (charges nothing).
 
-        In ``(epsilon, delta)`` mode: the epsilon at ``delta`` of this call alone
-        (the ledger is charged its RDP curve, :meth:`rdp_for`)."""
+        ``causal_lm``, ``prompts``, ``max_length`` and ``composition`` as for
+        :meth:`generate`. In ``(epsilon, delta)`` mode: the epsilon at ``delta`` of
+        this call alone (the ledger is charged its RDP curve, :meth:`rdp_for`)."""
         if self.uses_rdp:
             return self._epsilon_of(self.rdp_for(causal_lm, prompts, max_length, composition))
         sampler = self._sampler_of(causal_lm, composition)
@@ -268,9 +273,13 @@ class DecodingBudget:
                  **generate_kwargs):
         """Charge this call's epsilon, then ``causal_lm.generate(prompts, max_length, ...)``.
 
-        ``prompts``: a string, a list of strings, or (for a model without
-        preprocessor) a dict with ``token_ids`` and ``padding_mask``.
-        ``max_length`` defaults to the preprocessor's ``sequence_length``.
+        ``causal_lm``: a KerasHub CausalLM compiled with a :class:`DPSampler` or
+        :class:`PublicMixtureSampler`. ``prompts``: a string, a list of strings,
+        or (for a model without preprocessor) a dict with ``token_ids`` and
+        ``padding_mask``. ``max_length`` defaults to the preprocessor's
+        ``sequence_length``. ``composition``: ``"sequential"`` (the default: the
+        sum over the call's sequences) or ``"parallel"`` (their maximum; see the
+        class notes for when it is valid).
         Raises :class:`BudgetExhaustedError` before generating anything if
         the charge does not fit. Extra keyword arguments go to ``generate``.
         """

@@ -167,13 +167,15 @@ class DPSampler(Sampler):
 
     # -- privacy -----------------------------------------------------------
     def epsilon_per_token(self, vocabulary_size):
-        """Epsilon of one sampled token over a vocabulary of this size, at the
-        ``lambda_`` the (traced) sampler applies now."""
+        """Epsilon of one sampled token over a vocabulary of ``vocabulary_size``
+        tokens (the model's ``|V|``), at the ``lambda_`` the (traced) sampler
+        applies now."""
         return epsilon_per_token(self.applied_lambda(), vocabulary_size)
 
     def epsilon_per_sequence(self, vocabulary_size, num_tokens):
-        """Epsilon of ``num_tokens`` sampled tokens (charge the maximum new tokens),
-        at the ``lambda_`` the (traced) sampler applies now."""
+        """Epsilon of ``num_tokens`` sampled tokens (charge the maximum new tokens)
+        over a vocabulary of ``vocabulary_size`` tokens, at the ``lambda_`` the
+        (traced) sampler applies now."""
         return epsilon_per_sequence(self.applied_lambda(), vocabulary_size, num_tokens)
 
     # -- sampling ----------------------------------------------------------

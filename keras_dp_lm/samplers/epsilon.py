@@ -40,7 +40,8 @@ def epsilon_per_token(lambda_, vocabulary_size):
     """Pure-DP epsilon of one token sampled from ``lambda_*q + (1-lambda_)*u``.
 
     ``log((1 + (|V|-1)*lambda_) / (1 - lambda_))``, computed with ``log1p``
-    so it stays accurate for ``lambda_`` near 0 and near 1.
+    so it stays accurate for ``lambda_`` near 0 and near 1. ``lambda_``: the
+    model's weight in the mixture, in [0, 1); ``vocabulary_size``: |V|.
 
     Example:
         >>> round(epsilon_per_token(lambda_=0.5, vocabulary_size=8), 4)  # log(4.5 / 0.5)
@@ -56,7 +57,8 @@ def epsilon_per_sequence(lambda_, vocabulary_size, num_tokens):
 
     ``num_tokens`` is the number of sampled positions; for ``generate`` use
     :func:`num_sampled_tokens` (``max_length - prompt_length``, the maximum,
-    since an early stop is not accounted exactly).
+    since an early stop is not accounted exactly). ``lambda_`` and
+    ``vocabulary_size`` (|V|) as for :func:`epsilon_per_token`.
 
     Example:
         >>> round(epsilon_per_sequence(lambda_=0.5, vocabulary_size=8, num_tokens=10), 3)
@@ -72,7 +74,8 @@ def lambda_for_epsilon(epsilon, vocabulary_size, num_tokens):
     ``lambda_ = (e^{eps/T} - 1) / (e^{eps/T} - 1 + |V|)``. The result is then
     nudged down by floating-point steps until
     ``epsilon_per_sequence(lambda_, ...) <= epsilon`` holds exactly as computed
-    here, so it never overspends, and it is always ``< 1``.
+    here, so it never overspends, and it is always ``< 1``. ``vocabulary_size``:
+    |V|, the model's output dimension (:func:`vocabulary_size_of`).
 
     Example:
         >>> lambda_ = lambda_for_epsilon(epsilon=10.0, vocabulary_size=8, num_tokens=10)
@@ -100,7 +103,8 @@ def lambda_for_epsilon(epsilon, vocabulary_size, num_tokens):
 
 
 def vocabulary_size_of(causal_lm):
-    """|V| for the mechanism: the size of the model's output (logits) dimension.
+    """|V| for the mechanism: the size of the model's output (logits) dimension,
+    read from ``causal_lm.backbone.vocabulary_size`` (a KerasHub CausalLM).
 
     Example:
         >>> from keras_dp_lm import testing

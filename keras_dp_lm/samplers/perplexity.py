@@ -142,6 +142,9 @@ def mixture_perplexity(causal_lm, texts, lambdas, temperature=1.0, sequence_leng
         texts: a string or a list of strings.
         lambdas: iterable of mixture weights in ``[0, 1]`` (1 = the model alone).
         temperature: divides the logits before the softmax, as in DPSampler.
+        sequence_length: window (or packed) length in tokens; default the
+            preprocessor's.
+        batch_size: windows per forward pass (memory only; 8 by default).
         max_tokens: optional cap on the number of tokens read (from the start).
         packing: ``"windows"`` (default, as above) or ``"preprocessor"``: each text
             packed by the model's preprocessor as in training and generation (start

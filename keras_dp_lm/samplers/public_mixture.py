@@ -263,8 +263,9 @@ class PublicMixtureSampler(Sampler):
         return renyi.per_token_rdp(self._beta, self._alpha, self.num_models, orders)
 
     def epsilon_per_sequence(self, num_tokens, delta, orders=None):
-        """Epsilon at ``delta`` of ``num_tokens`` sampled tokens (RDP summed over tokens,
-        converted with dp_accounting). Charge the maximum number of new tokens."""
+        """Epsilon at ``delta`` of ``num_tokens`` sampled tokens (RDP summed over tokens
+        at the RDP ``orders``, default ``renyi.DEFAULT_ORDERS``, converted with
+        dp_accounting). Charge the maximum number of new tokens."""
         return renyi.sequence_epsilon(self._beta, self._alpha, self.num_models,
                                       num_tokens, delta, orders)
 
@@ -346,7 +347,8 @@ class PublicMixtureSampler(Sampler):
 
     def mixture_probabilities(self, public_logits, private_logits):
         """The distribution a token is drawn from, ``(1/N) sum_i p_hat_i`` (float64,
-        ``(batch, V)``), built from the integer weights the draw uses (up to the
+        ``(batch, V)``), for ``public_logits`` ``(batch, V)`` and ``private_logits``
+        ``(N, batch, V)``, built from the integer weights the draw uses (up to the
         ``<= 2**-29`` relative modulo bias of the draw)."""
         w0, w, lam = self._prepare(public_logits, private_logits)
         p0 = ops.cast(w0, "float64") / ops.cast(ops.sum(w0, axis=-1, keepdims=True), "float64")
@@ -355,8 +357,8 @@ class PublicMixtureSampler(Sampler):
         return ops.mean(lam * p + (1.0 - lam) * p0[None], axis=0)
 
     def draw(self, public_logits, private_logits):
-        """One token per row (int32, ``(batch,)``) from :meth:`mixture_probabilities`,
-        with integer arithmetic only (see the module notes)."""
+        """One token per row (int32, ``(batch,)``) from :meth:`mixture_probabilities` of
+        ``public_logits`` and ``private_logits``, in integer arithmetic (module notes)."""
         w0, w, lam = self._prepare(public_logits, private_logits)
         batch = ops.shape(w0)[0]
         n = self.num_models

@@ -234,7 +234,8 @@ def per_token_rdp(beta, alpha, num_models, orders=None):
         eps(a) = min over a' in [a, alpha] of  log(1 - 1/N + exp((2a' - 3/2) beta) / N) / (a' - 1)
                  + sampling_slack(a, N)
 
-    (``a'`` ranges over ``orders`` and ``alpha``) and ``inf`` above ``alpha``.
+    (``a'`` ranges over ``orders`` and ``alpha``; N is ``num_models``, the private
+    models) and ``inf`` above ``alpha``. ``orders`` None: :data:`DEFAULT_ORDERS`.
     The proof is in :mod:`keras_dp_lm.samplers.public_mixture`.
 
     Example (one private model: the bound is flat at its value at ``alpha``):
@@ -276,6 +277,9 @@ def pure_dp_rdp(epsilon, orders=None):
 def epsilon_for_rdp(orders, rdp, delta):
     """``(epsilon, best_order)`` of an RDP curve at ``delta``, by dp_accounting's conversion.
 
+    ``orders``: the RDP orders (each > 1; None: :data:`DEFAULT_ORDERS`); ``rdp``:
+    the curve, one non-negative value per order.
+
     Example:
         >>> eps, order = epsilon_for_rdp([2.0, 4.0, 8.0], [0.1, 0.2, 0.4], 1e-5)
         >>> round(eps, 4), order
@@ -294,6 +298,10 @@ def epsilon_for_rdp(orders, rdp, delta):
 
 def sequence_epsilon(beta, alpha, num_models, num_tokens, delta, orders=None):
     """Epsilon at ``delta`` of ``num_tokens`` tokens (RDP composed: ``num_tokens * eps(a)``).
+
+    ``eps(a)`` is :func:`per_token_rdp` of a :class:`PublicMixtureSampler` with
+    ball radius ``beta`` (> 0) at order ``alpha`` and ``num_models`` private
+    models, converted at ``orders`` (None: :data:`DEFAULT_ORDERS`) plus ``alpha``.
 
     Example:
         >>> round(sequence_epsilon(0.05, alpha=8, num_models=1, num_tokens=64, delta=1e-6), 3)
@@ -319,6 +327,8 @@ def beta_for_epsilon(epsilon, delta, num_tokens, num_models=1, alpha=8.0, orders
     lower-order), a large one converts to ``(eps, delta)`` more cheaply; 4-16 is a
     reasonable range. Raises ``ValueError`` if even a vanishing ``beta`` cannot
     reach ``epsilon`` (the conversion's ``log(1/delta)/(alpha-1)`` term alone exceeds it).
+    ``num_models``: the private models of the sampler (N); ``orders``: the RDP
+    orders of the conversion (None: :data:`DEFAULT_ORDERS`).
 
     Example:
         >>> beta = beta_for_epsilon(8.0, delta=1e-6, num_tokens=64, num_models=1, alpha=8)
@@ -376,7 +386,8 @@ def ball_for_epsilon(epsilon, delta, num_tokens, num_models=1, alphas=BALL_ALPHA
     :func:`beta_for_epsilon`'s; the order kept is the one whose ball lets a fixed,
     public proxy private distribution (half Zipf like the public one, half
     reversed) keep the largest weight ``lam``: a utility heuristic that uses no
-    data. The guarantee holds for any choice.
+    data. The guarantee holds for any choice. ``num_models`` and ``orders`` are
+    passed to :func:`beta_for_epsilon`.
 
     Example:
         >>> alpha, beta = ball_for_epsilon(8.0, delta=1e-6, num_tokens=64, num_models=4)

@@ -84,7 +84,27 @@ def _batches(batches):
 
 @dataclasses.dataclass
 class PrivacyCheckReport:
-    """What :func:`check_privacy` measured; ``passed`` says whether every check held."""
+    """What :func:`check_privacy` measured; ``passed`` says whether every check held.
+
+    Attributes:
+        model_name: the model's ``name``.
+        l2_norm_clip: C, the DP optimizer's clipping bound.
+        tolerance: the relative tolerance of the comparisons with the naive loop.
+        examples_per_user: k for a user-level check, else None.
+        refused: the DP step's refusal of the model (a pass), or None.
+        weights_unchanged: whether the model's weights were left as they were.
+        num_examples: rows checked, over all batches.
+        num_users: users checked (0 for an example-level check).
+        max_norm_error: largest relative error of the step's per-unit norms.
+        max_sum_error: largest relative error of the step's clipped sum.
+        max_unit_error: largest gap, in C, of a unit's removal from its naive part.
+        remove_one_ratio: largest move of the sum, in C, on removing a unit (<= 1).
+        replace_one_ratio: largest move, in C, on replacing a unit adversarially (<= 2).
+        padding_inert: whether padding slots left the clipped sum bit-identical.
+        coverage: ``{method: number of variables}`` (``clipping_coverage``).
+        exact_reasons: ``{variable path: reason}`` for exact per-example gradients.
+        failures: one message per failed check (none: passed).
+    """
 
     model_name: str
     l2_norm_clip: float

@@ -269,7 +269,8 @@ def train_sentencepiece(texts, vocabulary_size, model_type="unigram", seed=0):
     kept), so any text not starting with a space round-trips exactly. Lines of ``texts`` are the
     training sentences. ``vocabulary_size`` must be attainable from the text
     (SentencePiece raises otherwise; ``hard_vocab_limit=False`` lets it
-    return fewer pieces).
+    return fewer pieces). ``model_type``: SentencePiece's, ``"unigram"`` (default)
+    or ``"bpe"``; ``seed`` seeds its random generator (if the library has one).
     """
     import sentencepiece as spm
 
@@ -304,7 +305,9 @@ def train_sentencepiece(texts, vocabulary_size, model_type="unigram", seed=0):
 
 
 def gpt2_tokenizer(texts=None, vocabulary_size=512, sequence_length=None):
-    """A ``keras_hub.models.GPT2Tokenizer`` trained with :func:`train_byte_level_bpe`."""
+    """A ``keras_hub.models.GPT2Tokenizer`` trained with :func:`train_byte_level_bpe`
+    on ``texts`` (default :func:`default_texts`), at most ``vocabulary_size``
+    tokens; ``sequence_length`` pads/trims its output (None: ragged)."""
     import keras_hub
 
     vocabulary, merges = train_byte_level_bpe(_as_texts(texts), vocabulary_size)
@@ -313,7 +316,9 @@ def gpt2_tokenizer(texts=None, vocabulary_size=512, sequence_length=None):
 
 
 def llama_tokenizer(texts=None, vocabulary_size=512, seed=0):
-    """A ``keras_hub.models.LlamaTokenizer`` trained with :func:`train_sentencepiece`."""
+    """A ``keras_hub.models.LlamaTokenizer`` trained with :func:`train_sentencepiece`
+    (unigram, ``seed``) on ``texts`` (default :func:`default_texts`), at most
+    ``vocabulary_size`` pieces (>= 300)."""
     import keras_hub
 
     proto = train_sentencepiece(_as_texts(texts), vocabulary_size, seed=seed)
@@ -352,6 +357,8 @@ def tiny_gpt2_causal_lm(texts=None, vocabulary_size=512, num_layers=2, hidden_di
     (at most ``vocabulary_size``). ``sequence_length`` is the preprocessor's;
     ``max_sequence_length`` (default ``max(sequence_length, 128)``) bounds the
     position embedding, so ``generate(max_length=...)`` may go up to it.
+    ``num_layers`` blocks of width ``hidden_dim``, ``num_heads`` attention heads,
+    feed-forward width ``intermediate_dim``, ``dropout`` rate (0: deterministic).
     Weights depend only on ``seed``. The model is not compiled.
     """
     import keras_hub
@@ -384,6 +391,10 @@ def tiny_llama_causal_lm(texts=None, vocabulary_size=512, num_layers=2, hidden_d
     The tokenizer is a SentencePiece unigram model (byte fallback on) trained
     in memory on ``texts`` (default: :func:`default_texts`). Llama uses rotary
     position embeddings, so ``generate(max_length=...)`` has no fixed cap.
+    At most ``vocabulary_size`` pieces (>= 300); ``sequence_length`` is the
+    preprocessor's; ``num_layers`` blocks of width ``hidden_dim``,
+    ``num_query_heads`` query and ``num_key_value_heads`` key/value heads,
+    feed-forward width ``intermediate_dim``, ``dropout`` rate (0: deterministic).
     Weights depend only on ``seed``. The model is not compiled.
     """
     import keras_hub
@@ -454,7 +465,10 @@ def fit_briefly(causal_lm, texts=None, steps=200, batch_size=16, learning_rate=1
     For tests, examples and demos that need a model that is better than
     random. Compiles the model with Adam (``jit_compile=True``); recompile
     afterwards to install a sampler or a DP optimizer. Returns the Keras
-    ``History``.
+    ``History``. ``texts`` default: :func:`default_texts`; passages of
+    ``passage_chars`` characters (default 4 x the preprocessor's sequence length),
+    shuffled with ``seed``, ``batch_size`` per step; Adam's ``learning_rate``;
+    ``verbose`` as ``fit``'s.
     """
     import keras
     import tensorflow as tf

@@ -61,7 +61,8 @@ def threshold_for(noise_stddev, delta, max_words_per_example, max_count=1,
 
 
 def gaussian_epsilon(noise_multiplier, delta):
-    """Exact epsilon of one Gaussian mechanism (sensitivity 1, std ``noise_multiplier``).
+    """Exact epsilon at ``delta`` of one Gaussian mechanism (sensitivity 1, std
+    ``noise_multiplier``).
 
     Uses ``dp_accounting.get_epsilon_gaussian`` (the analytic Gaussian mechanism
     of Balle & Wang 2018), which is exact for any epsilon; it matches
@@ -119,6 +120,10 @@ def epsilon_for(noise_stddev, delta, max_words_per_example, max_count=1,
 def noise_stddev_for(target_epsilon, delta, max_words_per_example, max_count=1,
                      threshold_delta_fraction=0.5):
     """Smallest noise std whose :func:`epsilon_for` is ``<= target_epsilon`` (calibration).
+
+    ``delta``, ``max_words_per_example`` (k), ``max_count`` and
+    ``threshold_delta_fraction`` are as in :func:`threshold_for`; the std is
+    ``noise_multiplier * max_count * sqrt(k)``.
 
     Example:
         >>> stddev = noise_stddev_for(target_epsilon=4.0, delta=1e-6, max_words_per_example=8)

@@ -37,7 +37,9 @@ class VocabularyDpEvent(dp_accounting.ComposedDpEvent):
 
     @classmethod
     def of_release(cls, noise_multiplier, threshold_delta):
-        """The event of one histogram release."""
+        """The event of one histogram release: Gaussian noise of std
+        ``noise_multiplier`` times the L2 sensitivity, and a threshold that
+        spends ``threshold_delta`` (``threshold_delta_fraction * delta``)."""
         return cls([dp_accounting.GaussianDpEvent(float(noise_multiplier)),
                     EpsilonDeltaDpEvent(0.0, float(threshold_delta))])
 
@@ -88,6 +90,14 @@ class VocabularyDpEvent(dp_accounting.ComposedDpEvent):
 class HistogramMechanism:
     """The data-independent parameters of one DP histogram release.
 
+    Attributes:
+        noise_multiplier: sigma; each count gets Gaussian noise of std
+            ``sigma * max_count * sqrt(max_words_per_example)``.
+        delta: total delta of the release (Gaussian and threshold parts).
+        max_words_per_example: k, distinct words one example may contribute.
+        max_count: per-word cap on one example's contribution (1 by default).
+        threshold_delta_fraction: share of ``delta`` spent on the threshold (0.5).
+
     Example:
         >>> mechanism = HistogramMechanism.create(delta=1e-6, max_words_per_example=8,
         ...                                       target_epsilon=4.0)
@@ -113,7 +123,9 @@ class HistogramMechanism:
     @classmethod
     def create(cls, *, delta, max_words_per_example, noise_multiplier=None,
                target_epsilon=None, max_count=1, threshold_delta_fraction=0.5):
-        """Build from either ``noise_multiplier`` or ``target_epsilon`` (calibrated)."""
+        """Build from either ``noise_multiplier`` or ``target_epsilon`` (calibrated
+        with :func:`noise_stddev_for`); ``delta``, ``max_words_per_example``,
+        ``max_count`` and ``threshold_delta_fraction`` are the attributes above."""
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError(
                 "Pass exactly one of `noise_multiplier` and `target_epsilon`. Received: "

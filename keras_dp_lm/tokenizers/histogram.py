@@ -201,7 +201,11 @@ def dp_word_histogram_from_words(examples, *, delta, max_words_per_example,
     """Like :func:`dp_word_histogram` for examples already split into words.
 
     ``examples`` is an iterable of word sequences (one sequence per example);
-    words are used as given (no lowercasing or splitting).
+    words are used as given (no lowercasing or splitting). The other arguments
+    are :func:`dp_word_histogram`'s: ``delta``, ``max_words_per_example``, one of
+    ``noise_multiplier`` and ``target_epsilon``, ``max_count``,
+    ``threshold_delta_fraction``, ``seed`` (None: OS entropy, for real releases)
+    and ``batch_size`` (examples counted together; memory only).
 
     Example:
         >>> examples = [["to", "be"]] * 100 + [["rare"]]

@@ -8,7 +8,8 @@ import tensorflow as tf
 
 
 def split_examples(text, unit="paragraph"):
-    """Split a text into privacy units: ``"paragraph"`` (blank-line separated) or ``"line"``.
+    """Split a text into privacy units: ``unit`` is ``"paragraph"`` (the default,
+    blank-line separated) or ``"line"``.
 
     In the Shakespeare texts a paragraph is one speech (speaker tag + lines).
     Empty units are dropped.

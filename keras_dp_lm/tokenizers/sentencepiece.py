@@ -15,7 +15,11 @@ def learn_sentencepiece_proto(histogram, vocabulary_size, *, model_type="unigram
                               **trainer_kwargs):
     """SentencePiece model proto (bytes) from released counts (``input_format="tsv"``).
 
-    Each released word becomes one ``word<TAB>count`` row. ``reserved_tokens[:4]``
+    ``histogram``: a :class:`DPWordHistogram` or its ``{word: count}`` dict (counts
+    rounded, at least 1); ``vocabulary_size``: the pieces to learn;
+    ``model_type``: ``"unigram"`` (default) or ``"bpe"``; ``trainer_kwargs`` go to
+    ``SentencePieceTrainer.train``. Each released word becomes one
+    ``word<TAB>count`` row. ``reserved_tokens[:4]``
     are the pad, unk, bos and eos pieces (ids 0-3); further reserved tokens are
     user-defined symbols. ``lowercase=True`` stores the ``nmt_nfkc_cf``
     normalizer (NFKC + case folding at encoding time), else ``nmt_nfkc``.

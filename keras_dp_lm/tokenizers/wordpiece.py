@@ -14,8 +14,10 @@ def learn_wordpiece_vocabulary(histogram, vocabulary_size, *,
 
     Same learner and settings as ``keras_hub.tokenizers.compute_word_piece_vocabulary``
     (``include_joiner_token=True``; result truncated to ``vocabulary_size``), but fed
-    from a :class:`DPWordHistogram`. Raises ``ValueError`` if the survivors cannot
-    support ``(1 - slack_ratio) * vocabulary_size`` tokens.
+    from ``histogram``, a :class:`DPWordHistogram` or its ``{word: count}`` dict.
+    ``reserved_tokens`` come first; ``suffix_indicator`` marks word-continuing
+    pieces (``"##"``); ``learner_kwargs`` go to the learner. Raises ``ValueError``
+    if the survivors cannot support ``(1 - slack_ratio) * vocabulary_size`` tokens.
 
     Example:
         >>> counts = {"to": 100, "be": 90, "or": 50, "not": 50}  # e.g. DPWordHistogram.counts

@@ -150,7 +150,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         started from this one). A file with no DP update adds nothing; a model
         with no DP update takes the file's rows as they are. This can only
         over-report: reloading public weights into a DP-trained model keeps
-        its count (build a fresh model to start over).
+        its count (build a fresh model to start over). ``store``: the layer's
+        Keras weights store (None, or no ``table`` entry: nothing saved).
         """
         # A file saved before any DP training (or by a plain Keras model) has
         # no ledger: the model has received no noised update.
@@ -329,6 +330,10 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                    poisson_batch_cap=0.0, poisson_mean=0.0, owner=None):
         """Parameters the accountant assumes; the step refuses batches beyond them.
 
+        ``noise_multiplier``: the smallest sigma; ``sampling_rate``: the largest
+        Poisson rate; ``batch_size``: the largest real batch of a fixed-size batch
+        (0 for each: not checked).
+
         ``poisson_batch_cap``: the most real examples a Poisson batch at
         ``sampling_rate`` may hold (a draw larger than it has negligible
         probability; a batch regrouped after sampling is refused).
@@ -365,7 +370,9 @@ class PrivacyLedger(keras_internals.KerasSaveable):
     # -- writing (inside the traced step) -------------------------------------
     def check(self, noise_multiplier, sampling_rate, real_batch, unit="example"):
         """``ok`` (bool tensor): the batch is within the accounted limits, and
-        of the ledger's privacy unit (``"example"`` or ``"user"``)."""
+        of the ledger's privacy unit (``"example"`` or ``"user"``). The update's
+        ``noise_multiplier``, its batch's ``sampling_rate`` (0: fixed-size) and
+        ``real_batch``, its number of real units."""
         limits = tf.convert_to_tensor(self.limits.value)
         sigma = tf.constant(noise_multiplier, tf.float64)
         q = tf.cast(sampling_rate, tf.float64)
@@ -407,7 +414,12 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                           tf.convert_to_tensor(self.limits.value)[1])
 
     def record(self, noise_multiplier, sampling_rate, real_batch, ok, unit="example"):
-        """Append one update (branch-free, so it runs in replica context and XLA)."""
+        """Append one update (branch-free, so it runs in replica context and XLA).
+
+        ``noise_multiplier``, ``sampling_rate``, ``real_batch`` and ``unit`` as for
+        :meth:`check`; ``ok`` is its result: a False one is counted in
+        ``violations`` (a ``PrivacyAccountant`` then stops the fit) and leaves
+        the ledger's unit unchanged."""
         held = tf.convert_to_tensor(self.unit.value)
         self.unit.assign(tf.where(ok, tf.constant(PRIVACY_UNITS[unit], tf.int64), held))
         table = tf.convert_to_tensor(self.table.value)

@@ -46,7 +46,9 @@ def reduce_per_example(values, sample_weight=None, mask=None, reduction="sum_ove
 
     Mirrors ``keras.losses.Loss.__call__`` applied to a batch of one example, so a
     mask or a ``mean_with_sample_weight`` reduction normalises by the example's
-    own tokens, never by a count taken over the batch.
+    own tokens, never by a count taken over the batch. ``sample_weight`` (per
+    example or per element, e.g. ``[B, T]``; None: all 1) multiplies the values
+    before the reduction, and is the divisor of ``"mean_with_sample_weight"``.
     """
     reduction = standardize_reduction(reduction)
     if reduction in (None, "none"):

@@ -43,7 +43,8 @@ def ledger_of(model, create=True):
     A KerasHub task keeps its ledger with its backbone, so ``save_to_preset``
     / ``from_preset`` (which save and load the backbone's weights) carry it,
     and every task built on that backbone counts the updates its weights
-    received.
+    received. ``create=False`` returns None instead of creating a ledger for a
+    model that has none.
 
     Example:
         >>> import keras, keras_dp_lm as kdp

@@ -25,8 +25,9 @@ _SCORE_SHARE = 0.25
 class Candidate:
     """One point of the search: an Adam learning rate and what to train.
 
-    ``trainable`` is handed to your ``build_model`` as it is (e.g. ``"head"``,
-    ``"top2"``, ``"lora"``, ``"all"``); the search does not interpret it.
+    ``learning_rate`` is the DP-Adam rate of the trial. ``trainable`` is handed
+    to your ``build_model`` as it is (e.g. ``"head"``, ``"top2"``, ``"lora"``,
+    ``"all"``); the search does not interpret it.
     """
 
     learning_rate: float
@@ -156,6 +157,7 @@ def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
             the Poisson draws and the noise, so the result is NOT private (the
             trials' noise seeds are written into saved files). ``None`` draws
             them all from OS entropy.
+        verbose: passed to each trial's ``fit`` (0, the default: silent).
 
     Returns:
         A :class:`SearchResult`.
