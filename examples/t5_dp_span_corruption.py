@@ -101,7 +101,7 @@ def main(argv=None):
 
     # 1. The vocabulary: a DP release about the private records.
     adapter = DPVocabularyAdapter(
-        300 if args.quick else 1000, "sentencepiece_unigram", delta=DELTA / 2,
+        300 if args.quick else 500, "sentencepiece_unigram", delta=DELTA / 2,
         target_epsilon=args.vocabulary_epsilon, max_words_per_example=16, seed=0,
         reserved_tokens=list(SENTENCEPIECE_RESERVED_TOKENS) + [SENTINEL])
     adapter.adapt(private)

@@ -55,7 +55,7 @@ def _scripts():
     continues, and the getting-started page as one script."""
     lm, head, search = README_BLOCKS
     assert "tiny_gpt2_causal_lm" in lm and 'trainable="head"' in head
-    assert "tuning.private_search" in search and "continues the one above" in \
+    assert "tuning.private_search" in search and "labels `y` of the block above" in \
         (ROOT / "README.md").read_text()
     return {"readme_lm": lm, "readme_head_and_search": head + "\n" + search,
             "getting_started": "\n".join(GUIDE_BLOCKS)}
