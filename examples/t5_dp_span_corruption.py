@@ -10,8 +10,13 @@ download), and the DP vocabulary is :class:`keras_dp_lm.tokenizers.DPVocabularyA
 (``sentencepiece_unigram``) with T5's sentinel ``<extra_id_0>`` among its reserved
 pieces.
 
-    python examples/t5_dp_span_corruption.py            # ~10 min on 2 cores
+    python examples/t5_dp_span_corruption.py            # ~8 min on 2 cores
     python examples/t5_dp_span_corruption.py --quick    # smoke run, about a minute
+
+Measured (2026-11-29, 2 idle cores, 8 min 21 s): a 500-piece vocabulary at epsilon
+0.95 of the total, 100 updates at batch 512 (noise multiplier 0.49), held-out
+span-infilling perplexity 66.1 against 497.5 for the same model untrained; the
+whole pipeline at epsilon 8, delta 1e-6. No non-private baseline is trained here.
 
 Span corruption (one span per record, a public per-record transformation: the
 span is drawn from a generator seeded by the record's index, never from other
@@ -124,7 +129,7 @@ def main(argv=None):
         len(private), target_epsilon=args.epsilon, delta=DELTA,
         extra_events=[adapter.dp_event()], learning_rate=1e-3,
         num_parameters=sum(math.prod(v.shape) for v in t5.trainable_variables),
-        **({"batch_size": 256, "steps": 4} if args.quick else {"epochs": 3.0}))
+        batch_size=256 if args.quick else 512, steps=4 if args.quick else 100)
     batches = recipe.poisson_batches((x, y, w))
     t5.compile(optimizer=recipe.optimizer(), weighted_metrics=[],
                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
