@@ -282,7 +282,7 @@ def _guarded_fit(self, *args, **kwargs):
         kwargs.get("validation_data", args[7] if len(args) > 7 else None))
     try:
         # a refusal the step decides on the batch's values raises in words
-        with graph_refusals.raised_as_privacy_refusals(ledger_of(self, create=False)):
+        with graph_refusals.raised_as_privacy_refusals():
             return type(self).fit(self, *args, **kwargs)
     finally:
         ledger = ledger_of(self, create=False)
@@ -293,7 +293,7 @@ def _guarded_fit(self, *args, **kwargs):
 def _guarded_train_on_batch(self, *args, **kwargs):
     """``train_on_batch``, refused first if the ledger could not count it."""
     fit_guards.check_training_is_private(self, is_bound_to_dp_step(self))
-    with graph_refusals.raised_as_privacy_refusals(ledger_of(self, create=False)):
+    with graph_refusals.raised_as_privacy_refusals():
         return type(self).train_on_batch(self, *args, **kwargs)
 
 
@@ -440,7 +440,7 @@ def make_private(model):
             model.optimizer.build(model.trainable_variables)
         if _sharing_grew(model):  # traced anew, so that model's ledger records it
             traced[0] = tf.function(one_step, autograph=False)
-        with graph_refusals.raised_as_privacy_refusals(ledger_of(model)):
+        with graph_refusals.raised_as_privacy_refusals():
             return traced[0](data)
 
     return run

@@ -65,6 +65,9 @@ from keras_dp_lm.training.ledger_rows import unshared_rows
 from keras_dp_lm.training.weight_marks import mark_dp_trained
 
 _LIMITS = 5
+# The conditions PrivacyLedger.check_parts returns, in order.
+CHECKS = ("noise_multiplier", "sampling_rate", "poisson_cap", "running_total",
+          "fixed_batch", "unit")
 # The running total of Poisson batches' real counts is refused above a bound
 # that honest draws exceed with probability at most 1e-12 over 1e6 checks.
 _CUMULATIVE_LOG_TERM = float(np.log(1e6 / 1e-12))
@@ -373,22 +376,31 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         of the ledger's privacy unit (``"example"`` or ``"user"``). The update's
         ``noise_multiplier``, its batch's ``sampling_rate`` (0: fixed-size) and
         ``real_batch``, its number of real units."""
+        return tf.reduce_all(self.check_parts(noise_multiplier, sampling_rate, real_batch,
+                                              unit))
+
+    def check_parts(self, noise_multiplier, sampling_rate, real_batch, unit="example"):
+        """The conditions :meth:`check` requires, one bool each, in the order
+        of ``CHECKS`` (a condition that does not apply to this kind of batch
+        holds)."""
         limits = tf.convert_to_tensor(self.limits.value)
         sigma = tf.constant(noise_multiplier, tf.float64)
         q = tf.cast(sampling_rate, tf.float64)
         batch = tf.cast(real_batch, tf.float64)
+        poisson = q > 0
         sigma_ok = (limits[0] <= 0) | (sigma >= limits[0] * (1 - 1e-12))
         # a Poisson batch's real count: the accountant's cap, or its batch size
         # when it accounts fixed-size batches (no cap)
         cap = tf.where(limits[3] > 0, limits[3], limits[2])
-        poisson_ok = (((limits[1] <= 0) | (q <= limits[1] * (1 + 1e-9)))
-                      & ((cap <= 0) | (batch <= cap * (1 + 1e-9)))
-                      & self._running_total_ok(batch))
+        rate_ok = (limits[1] <= 0) | (q <= limits[1] * (1 + 1e-9))
+        cap_ok = (cap <= 0) | (batch <= cap * (1 + 1e-9))
         fixed_ok = (limits[2] <= 0) | (batch <= limits[2] * (1 + 1e-9))
         code = tf.constant(PRIVACY_UNITS[unit], tf.int64)
         held = tf.convert_to_tensor(self.unit.value)
         unit_ok = tf.equal(held, 0) | tf.equal(held, code)
-        return sigma_ok & unit_ok & tf.where(q > 0, poisson_ok, fixed_ok)
+        return tf.stack([sigma_ok, rate_ok | ~poisson, cap_ok | ~poisson,
+                         self._running_total_ok(batch) | ~poisson, fixed_ok | poisson,
+                         unit_ok])
 
     def _running_total_ok(self, batch):
         """The Poisson batches checked so far plus this one hold no more real

@@ -275,7 +275,8 @@ def dp_train_step(model, data):
     if ctx is not None and ctx.num_replicas_in_sync > 1:
         real = ctx.all_reduce(tf.distribute.ReduceOp.SUM, real)
     rate = _batch_rate(rate, ctx)
-    ok = ledger.check(sigma, rate, real, unit) & independent
+    passed = ledger.check_parts(sigma, rate, real, unit)
+    ok = tf.reduce_all(passed) & independent
     nested = sharing_ledgers(model)  # other models whose weights it trains record it too
     model.__dict__[_TRACED_SHARING] = (models_registered(), weakref.WeakSet(nested))
     for inner in nested:
@@ -284,9 +285,10 @@ def dp_train_step(model, data):
         ok = tf.identity(ok)
     # Read back by graph_refusals.as_privacy_refusal, which fit raises instead.
     check = tf.debugging.Assert(ok, [
-        graph_refusals.LEDGER_REFUSAL, graph_refusals.LIMITS, ledger.limits.value,
-        graph_refusals.SIGMA, sigma, graph_refusals.RATE, rate, graph_refusals.REAL, real,
-        graph_refusals.UNIT, unit], summarize=graph_refusals.SUMMARIZE)
+        graph_refusals.LEDGER_REFUSAL, graph_refusals.PASSED, tf.cast(passed, tf.int32),
+        graph_refusals.LIMITS, ledger.limits.value, graph_refusals.SIGMA, sigma,
+        graph_refusals.RATE, rate, graph_refusals.REAL, real, graph_refusals.UNIT, unit],
+        summarize=graph_refusals.SUMMARIZE)
     with tf.control_dependencies([check]):  # nothing below runs for a refused batch
         keep = tf.cast(ok, tf.float32)  # and under XLA, which drops asserts, it adds nothing
         grads = [g * tf.cast(keep, g.dtype) for g in result.grads]
