@@ -165,3 +165,25 @@ def test_a_plain_model_compiled_before_its_layer_is_dp_trained_is_guarded_then()
     with pytest.raises(RuntimeError, match="refused to train"):
         plain.train_on_batch(x, y)
     np.testing.assert_array_equal(before, shared.kernel.numpy())
+
+
+def test_a_dp_fit_on_a_dataset_does_not_warn_about_shuffling():
+    """Keras warns that ``shuffle=True`` (its default) is ignored for a dataset; a DP
+    fit on Poisson batches passes ``shuffle=False`` for the user (the batches are
+    never reshuffled either way), so the warning does not suggest otherwise."""
+    import warnings
+
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=kdp.DPSGD(0.1, l2_norm_clip=1.0, noise_multiplier=1.0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones((8, 3), "float32"), np.zeros(8, "int32"))).batch(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(data, verbose=0)
+    assert not [w for w in caught if "shuffle" in str(w.message)], caught
+    assert kdp.ledger_of(model).updates == 2
+    with pytest.warns(UserWarning, match="shuffle"):   # the user's own choice stands
+        model.fit(data, shuffle=True, verbose=0)

@@ -280,6 +280,11 @@ def _guarded_fit(self, *args, **kwargs):
         kwargs.get("callbacks", args[5] if len(args) > 5 else None),
         kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
         kwargs.get("validation_data", args[7] if len(args) > 7 else None))
+    x = kwargs.get("x", args[0] if args else None)
+    if isinstance(x, tf.data.Dataset) and len(args) <= 8 and "shuffle" not in kwargs:
+        # Keras ignores `shuffle` for a dataset but warns about its default; a DP
+        # fit's Poisson batches must not be reshuffled, and are not
+        kwargs["shuffle"] = False
     try:
         # a refusal the step decides on the batch's values raises in words
         with graph_refusals.raised_as_privacy_refusals():
