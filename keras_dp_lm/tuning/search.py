@@ -87,7 +87,17 @@ class SearchResult:
 
 
 def _accuracy(model, x, y):
-    logits = model.predict(x, batch_size=512, verbose=0)
+    import tensorflow as tf
+
+    # Every trial is a new model with its own predict function: TensorFlow's
+    # "triggered tf.function retracing" note counts them as retraces of one.
+    logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        logits = model.predict(x, batch_size=512, verbose=0)
+    finally:
+        logger.setLevel(level)
     return (np.argmax(logits, axis=-1) == np.asarray(y)).astype("float64")
 
 
