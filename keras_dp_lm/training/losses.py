@@ -183,7 +183,8 @@ def _check_per_example(values, reference, what):
     if batch is None or values.shape[0] is None:
         tf.debugging.assert_equal(
             tf.shape(values)[0], tf.shape(tf.convert_to_tensor(reference))[0],
-            message=f"{what} must keep the batch axis first.{fix}")
+            message=f"keras_dp_lm refused the loss: {what} must keep the batch axis "
+                    f"first.{fix}")
 
 
 def _data_dependent_losses(model):
