@@ -1,6 +1,5 @@
 """The report of :class:`~keras_dp_lm.callbacks.PrivacyAccountant`: what the model has received so far."""
 
-import copy
 import math
 
 from keras_dp_lm.accounting.epsilon import ledger_epsilon
@@ -11,40 +10,43 @@ from keras_dp_lm.accounting.user_level import user_level_epsilon
 from keras_dp_lm.training.model_ledgers import ledger_of
 
 
-def accountant_report(accountant):
-    """``accountant.report()`` (:meth:`PrivacyAccountant.report`)."""
-    if accountant.model is None:
-        raise ValueError("report() needs the accountant to have been used in fit().")
-    if accountant._config is None:
-        accountant._config = accountant._resolve()
-    rows = [row for row in accountant._rows() if row.updates]
+def accountant_report(accountant, assumptions, rows, searched, *, overflow_cap, batches_rate):
+    """``accountant.report()`` (:meth:`PrivacyAccountant.report`).
+
+    Args:
+        accountant: the :class:`PrivacyAccountant` (its public attributes: the model,
+            ``dataset_size``, ``delta``, ``accountant``, ``extra_events``,
+            ``examples_per_user``, ``target_epsilon``, ``max_steps``, ``epsilon``,
+            ``stopped_at``).
+        assumptions: its :class:`~keras_dp_lm.callbacks.fit_assumptions.FitAssumptions`.
+        rows: the ledger's accounted rows with updates.
+        searched: the events of the private search the model was released by, or [].
+        overflow_cap: the real-example cap of the ``batches`` it was given, or None.
+        batches_rate: the sampling rate of those batches, or None.
+    """
     count = sum(row.updates for row in rows)
-    config = accountant._config
     unit = ledger_of(accountant.model).privacy_unit or "example"
     if unit == "user" and accountant.examples_per_user is not None:
         raise ValueError(
             "examples_per_user= adds a group-privacy epsilon to EXAMPLE-level "
             "training; this model's updates clipped whole users (user batches), so "
             "its epsilon is user-level already: drop examples_per_user.")
-    key = (tuple(rows), config["sampling"], config["batch_size"])
-    if accountant._report_cache[0] == key:
-        return copy.deepcopy(accountant._report_cache[1])
     if len(rows) <= 1:
-        sigma = rows[0].noise_multiplier if rows else config["noise_multiplier"]
-        rate = rows[0].rate(accountant.dataset_size) if rows else config["sampling_rate"]
-        extra = accountant.extra_events + accountant._selection_events()
+        sigma = rows[0].noise_multiplier if rows else assumptions.noise_multiplier
+        rate = rows[0].rate(accountant.dataset_size) if rows else assumptions.sampling_rate
+        extra = accountant.extra_events + searched
     else:  # several configurations: the earlier rows compose as extra events
         sigma, rate = rows[-1].noise_multiplier, rows[-1].rate(accountant.dataset_size)
         extra = (ledger_events(rows[:-1], accountant.dataset_size) + accountant.extra_events
-                 + accountant._selection_events())
+                 + searched)
         count = rows[-1].updates
     report = privacy_report(
         sigma, rate, count, accountant.delta,
         dataset_size=accountant.dataset_size, batch_size=rate * accountant.dataset_size,
-        sampling=config["sampling"], accountant=accountant.accountant,
+        sampling=assumptions.sampling, accountant=accountant.accountant,
         extra_events=extra, target_epsilon=None,
         examples_per_user=accountant.examples_per_user,
-        l2_norm_clip=config["l2_norm_clip"])
+        l2_norm_clip=assumptions.l2_norm_clip)
     if len(rows) > 1:
         # The headline is the training's whole ledger at delta, composed in
         # one accountant (the call above read the earlier rows as extra
@@ -67,7 +69,6 @@ def accountant_report(accountant):
                 max(row.rate(accountant.dataset_size) for row in rows),
                 sum(row.updates for row in rows), accountant.delta, accountant.examples_per_user,
                 "group", accountant.accountant)
-    searched = accountant._selection_events()
     if searched:
         # Released by a private search: the headline counts the search (whose
         # epsilon covers the released trial's updates) and what came after.
@@ -85,16 +86,15 @@ def accountant_report(accountant):
         "dp_updates": sum(row.updates for row in rows),
         "ledger": [dict(row._asdict(), sampling_rate=row.rate(accountant.dataset_size))
                    for row in rows],
-        "batch_size_source": config["batch_size_source"],
-        "sampling_source": config["sampling_source"],
-        "steps_per_execution": config["steps_per_execution"],
-        "gradient_accumulation_steps": config["gradient_accumulation_steps"],
+        "batch_size_source": assumptions.batch_size_source,
+        "sampling_source": assumptions.sampling_source,
+        "steps_per_execution": assumptions.steps_per_execution,
+        "gradient_accumulation_steps": assumptions.gradient_accumulation_steps,
         "stopped_at": accountant.stopped_at,
         "privacy_unit": unit,
     })
-    cap = accountant._overflow_cap
-    overflow = (overflow_probability(accountant.dataset_size, accountant._batches_rate, cap,
-                                     report["dp_updates"]) if cap is not None else 0.0)
+    overflow = (overflow_probability(accountant.dataset_size, batches_rate, overflow_cap,
+                                     report["dp_updates"]) if overflow_cap is not None else 0.0)
     if overflow > 0:
         # The draws differ from Poisson sampling only when a batch overflows its
         # cap, for both neighbours; every update of the ledger counts as a draw
@@ -107,7 +107,6 @@ def accountant_report(accountant):
             # asked for when the recipe made the accountant (it reserved the share).
             report["total_delta"] = _with_overflow(report["total_delta"],
                                                    report["total_epsilon"], overflow)
-    accountant._report_cache = (key, copy.deepcopy(report))
     return report
 
 

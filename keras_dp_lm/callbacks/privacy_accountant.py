@@ -1,6 +1,6 @@
 """``PrivacyAccountant``: epsilon in ``fit``'s logs and a stop before a target epsilon."""
 
-import math
+import copy
 import warnings
 
 import keras
@@ -11,7 +11,6 @@ from keras_dp_lm.accounting._arguments import PrivacyBudgetExhaustedError
 from keras_dp_lm.accounting._arguments import check_accountant
 from keras_dp_lm.accounting._arguments import check_delta
 from keras_dp_lm.accounting._arguments import check_epsilon
-from keras_dp_lm.accounting._arguments import check_noise
 from keras_dp_lm.accounting._arguments import check_positive_int
 from keras_dp_lm.accounting._arguments import check_number
 from keras_dp_lm.accounting.epsilon import composed_curve
@@ -23,42 +22,21 @@ from keras_dp_lm.accounting.epsilon import max_steps
 from keras_dp_lm.accounting.events import as_event
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.events import ledger_events
-from keras_dp_lm.accounting.overflow import poisson_count_cap
 from keras_dp_lm.accounting.report import privacy_statement
 from keras_dp_lm.training.binding import is_bound_to_dp_step
 from keras_dp_lm.training.fit_guards import check_optimizer_matches_step
 from keras_dp_lm.training.model_ledgers import ledger_of
 from keras_dp_lm.callbacks.accountant_report import accountant_report
 from keras_dp_lm.callbacks.feature_releases import check_feature_releases
-from keras_dp_lm.callbacks.batch_epsilon import BatchEpsilonMixin
-
-
-# The real-example cap of a Poisson batch (see PrivacyAccountant._resolve).
-_CAP_STEPS = 10**6
-_CAP_PROBABILITY = 1e-12
-
-
-def _dp_optimizer_of(model):
-    optimizer = getattr(model, "optimizer", None)
-    inner = getattr(optimizer, "inner_optimizer", None)  # e.g. LossScaleOptimizer
-    if not getattr(optimizer, "is_dp_optimizer", False) and getattr(
-            inner, "is_dp_optimizer", False):
-        optimizer = inner
-    if not getattr(optimizer, "is_dp_optimizer", False):
-        raise ValueError(
-            "PrivacyAccountant needs a model compiled with a DP optimizer "
-            "(e.g. `model.compile(optimizer=keras_dp_lm.DPAdam(learning_rate=..., "
-            "l2_norm_clip=1.0, noise_multiplier=1.1), ...)`); got "
-            f"{type(optimizer).__name__}. Without one, training is not "
-            "differentially private and there is nothing to account.")
-    return optimizer
+from keras_dp_lm.callbacks.batch_epsilon import BatchEpsilon
+from keras_dp_lm.callbacks.fit_assumptions import resolve_fit_assumptions
 
 
 def _ledger(model):
     return ledger_of(model)
 
 
-class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
+class PrivacyAccountant(keras.callbacks.Callback):
     """Keras callback: epsilon in the logs, and a stop before a target epsilon.
 
     Epsilon is computed from the model's privacy ledger
@@ -188,7 +166,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
                 f"delta={self.delta:g} >= 1/dataset_size={1.0 / self.dataset_size:g}: "
                 "a mechanism that publishes one random example outright satisfies "
                 "this delta. Use delta well below 1/N (e.g. 1/(10 N)).", stacklevel=2)
-        self._config = None  # dict with the resolved parameters of the last fit
+        self._assumptions = None  # FitAssumptions of the last fit
         self._report_cache = (None, None)
         self._last_count = None
         self._limit = None
@@ -197,74 +175,23 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         self.in_fit = False  # between on_train_begin and on_train_end
         self.stopped_at = None
         self._exact_cache = {}  # exact epsilon by ledger rows (a few entries)
-        self._reset_batch_epsilon()
+        self._batch_epsilon = BatchEpsilon(self.dataset_size, self.delta, self._exact_epsilon)
+        self._fit_start = None  # ledger count before the fit's first batch
+        self._epoch = 0
 
-    # -- resolution of the training parameters -----------------------------
     def _resolve(self):
-        optimizer = _dp_optimizer_of(self.model)
-        params = optimizer.privacy_parameters   # the step freezes this same object
-        sigma = check_noise(params.noise_multiplier)
-        expected = params.expected_batch_size
-        if self._batches_rate is not None:
-            batch = self._batches_rate * self.dataset_size
-            batch_source = "batches (poisson_batches)"
-        elif self.batch_size is not None:
-            batch, batch_source = self.batch_size, "argument"
-        elif expected is not None:
-            batch, batch_source = float(expected), "optimizer.expected_batch_size"
-        else:
-            steps = (self.params or {}).get("steps")
-            if not steps:
-                raise ValueError(
-                    "PrivacyAccountant cannot tell the logical batch size: pass "
-                    "`batch_size=` (or set `expected_batch_size=` on the DP "
-                    "optimizer); the number of steps per epoch is unknown.")
-            batch, batch_source = float(math.ceil(self.dataset_size / steps)), "inferred"
-            warnings.warn(
-                f"PrivacyAccountant inferred the logical batch size {batch:g} as "
-                f"ceil(dataset_size / steps per epoch) = ceil({self.dataset_size} / "
-                f"{steps}). Pass `batch_size=` to state it; a batch with more real "
-                "examples is refused before its update.", stacklevel=3)
-        rate = self._batches_rate if self._batches_rate is not None else batch / self.dataset_size
-        if rate > 1:
-            raise ValueError(
-                f"Logical batch size {batch:g} exceeds dataset_size {self.dataset_size}.")
-        if self.sampling == "poisson":
-            sampling, sampling_source = "poisson", (
-                "batches" if self._batches_rate is not None else "argument")
-        elif self.sampling == "shuffle":
-            sampling, sampling_source = "shuffle", "argument"
-        elif expected is not None:
-            sampling, sampling_source = "poisson", "optimizer.expected_batch_size is set"
-        else:
-            sampling, sampling_source = "shuffle", "default"
-        if sampling == "shuffle" and not self._shuffle_warned:
+        assumptions = resolve_fit_assumptions(
+            self.model, dataset_size=self.dataset_size, batch_size=self.batch_size,
+            sampling=self.sampling, batches_rate=self._batches_rate,
+            steps=(self.params or {}).get("steps"))
+        if assumptions.sampling == "shuffle" and not self._shuffle_warned:
             self._shuffle_warned = True
             warnings.warn(
                 "PrivacyAccountant: batches are treated as " + SHUFFLE_NOTE + ". For "
                 "a guarantee that matches the analysis, feed Poisson batches "
                 "(keras_dp_lm.data.poisson_batches) and pass batches=dataset.",
                 stacklevel=3)
-        spe = getattr(self.model, "steps_per_execution", 1) or 1
-        # A Poisson batch with more real examples than a draw at this rate
-        # reaches once in 1e12 over a million steps was not drawn at it (e.g.
-        # Poisson batches regrouped with unbatch().batch()): refused.
-        cap = (float(poisson_count_cap(self.dataset_size, rate, _CAP_STEPS, _CAP_PROBABILITY))
-               if sampling == "poisson" else 0.0)
-        return {
-            "optimizer": optimizer,
-            "noise_multiplier": sigma,
-            "l2_norm_clip": params.l2_norm_clip,
-            "gradient_accumulation_steps": params.accumulation_steps,
-            "batch_size": batch,
-            "batch_size_source": batch_source,
-            "sampling_rate": rate,
-            "sampling": sampling,
-            "sampling_source": sampling_source,
-            "steps_per_execution": int(spe),
-            "poisson_batch_cap": cap,
-            "poisson_mean": (self.dataset_size + 1) * rate if sampling == "poisson" else 0.0,
-        }
+        return assumptions
 
     def _rows(self):
         """The ledger's DP-SGD rows (without those a recorded search covers)."""
@@ -274,22 +201,15 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         """The private search the model was released by, if any, as events."""
         return [as_event(e) for e in _ledger(self.model).selection_events()]
 
-    def _dominated(self, rows):
-        """Every ledger row is at most as costly as the assumed configuration."""
-        sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
-        return all(row.noise_multiplier >= sigma
-                   and row.rate(self.dataset_size) <= rate * (1 + 1e-9)
-                   for row in rows if row.updates)
-
     def _compute_limit(self):
         """Most total updates within the target, given the ledger so far."""
         if self.target_epsilon is None:
             return None
-        sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
+        sigma, rate = self._assumptions.noise_multiplier, self._assumptions.sampling_rate
         rows = self._rows()
         done = sum(row.updates for row in rows)
         selection = self._selection_events()
-        if self._dominated(rows) and not selection:
+        if self._assumptions.dominates(rows, self.dataset_size) and not selection:
             # every update so far counted at this fit's cost: conservative, and
             # exact for a resumed fit; when that leaves no room (cheaper updates
             # of another kind: a DP linear probe's), compose them exactly
@@ -311,7 +231,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
     @property
     def max_steps(self):
         """Most updates within ``target_epsilon`` (None without a target or before fit)."""
-        if self.target_epsilon is None or self._config is None:
+        if self.target_epsilon is None or self._assumptions is None:
             return None
         if self._limit is None:
             self._limit = self._compute_limit()
@@ -320,7 +240,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
     @property
     def sampling_rate(self):
         """q = logical batch size / dataset size (None before fit)."""
-        return None if self._config is None else self._config["sampling_rate"]
+        return None if self._assumptions is None else self._assumptions.sampling_rate
 
     @property
     def dp_updates(self):
@@ -368,7 +288,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
 
     def _check_budget(self, count):
         limit = self.max_steps
-        spe = self._config["steps_per_execution"]
+        spe = self._assumptions.steps_per_execution
         if limit is not None and count + spe > limit:
             spent = self.epsilon
             target = f"target_epsilon={self.target_epsilon:g} (delta={self.delta:g})"
@@ -377,7 +297,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
                           "it allows no further update")
                 larger = f"above {spent:.3g} (the cost of what is already applied)"
             elif count == 0:  # not even the first execution fits
-                sigma, rate = self._config["noise_multiplier"], self._config["sampling_rate"]
+                sigma, rate = self._assumptions.noise_multiplier, self._assumptions.sampling_rate
                 first = compute_epsilon(sigma, rate, spe, self.delta, self.accountant)
                 raise PrivacyBudgetExhaustedError(
                     f"Privacy budget too small for one step: {spe} update(s) at noise multiplier"
@@ -401,13 +321,40 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
                 "data (an empty ledger).")
 
     def _register_limits(self):
-        config = self._config
-        _ledger(self.model).set_limits(
-            noise_multiplier=config["noise_multiplier"],
-            sampling_rate=config["sampling_rate"],
-            batch_size=config["batch_size"],
-            poisson_batch_cap=config["poisson_batch_cap"],
-            poisson_mean=config["poisson_mean"], owner=self)
+        _ledger(self.model).set_limits(**self._assumptions.ledger_limits(), owner=self)
+
+    # -- the per-batch epsilon (keras_dp_lm.callbacks.batch_epsilon) ---------
+    def _reset_batch_epsilon(self):
+        self._batch_epsilon.reset()
+        self._fit_start = None
+
+    def _epsilon_after_batch(self, count, batch, final):
+        rows = [row for row in self._rows() if row.updates]
+        exact = (self.accountant == "rdp" or final or count == self._fit_start
+                 or bool(self._selection_events()))  # a recorded search: composed exactly
+        return self._batch_epsilon.value(
+            rows, self._assumptions, exact=exact,
+            planned_end=lambda n, others: self._planned_end(n, others, batch))
+
+    def _last_planned_batch(self, batch):
+        params = self.params or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        # With steps_per_execution > 1 Keras numbers the last execution of an
+        # epoch past its end (8 steps in executions of 3: batch 8), hence >=.
+        return bool(steps and epochs and self._epoch == epochs - 1 and batch >= steps - 1)
+
+    def _planned_end(self, n, others, batch):
+        """Smallest possible final count of the updates the assumptions dominate
+        (``n`` so far; ``others`` updates they do not), or None."""
+        ends = []
+        if self.max_steps is not None:
+            ends.append(self.max_steps - others - self._assumptions.steps_per_execution + 1)
+        params = self.params or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        if steps and epochs:
+            remaining = (epochs - 1 - self._epoch) * steps + max(0, steps - 1 - batch)
+            ends.append(n + remaining // self._assumptions.gradient_accumulation_steps)
+        return min(ends) if ends else None
 
     # -- Keras hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -415,7 +362,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         # place: nothing would be clipped, noised or counted.
         check_optimizer_matches_step(self.model, is_bound_to_dp_step(self.model))
         self.in_fit = True
-        self._config = self._resolve()
+        self._assumptions = self._resolve()
         # The training's unit: from user batches, else from earlier updates, else
         # known only after the first update (checked then).
         self._unit_pending = check_feature_releases(
@@ -446,7 +393,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        ledger = _ledger(self.model)
+        ledger, assumed = _ledger(self.model), self._assumptions
         if int(ledger.violations.numpy()):
             self.model.stop_training = True
             raise ValueError(
@@ -458,18 +405,17 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
                 "updates before this one is not what the ledger reports), or the model "
                 "mixes examples (refused for fast clipping; use clipping='exact'); it "
                 "was refused and contributed nothing. Assumed: batch_size="
-                f"{self._config['batch_size']:g} ({self._config['batch_size_source']}), "
-                f"q={self._config['sampling_rate']:.6g}, sigma="
-                f"{self._config['noise_multiplier']:g}.")
+                f"{assumed.batch_size:g} ({assumed.batch_size_source}), "
+                f"q={assumed.sampling_rate:.6g}, sigma={assumed.noise_multiplier:g}.")
         if self._unit_pending and ledger.privacy_unit is not None:
             self._unit_pending = False
             check_feature_releases(self.model, self.extra_events, ledger.privacy_unit,
                                    applied=ledger.updates)
         count = self._count()
         limit = self.max_steps
-        budget_end = limit is not None and count + self._config["steps_per_execution"] > limit
+        budget_end = limit is not None and count + assumed.steps_per_execution > limit
         if logs is not None:
-            logs["epsilon"] = self._batch_epsilon(count, batch, final=(
+            logs["epsilon"] = self._epsilon_after_batch(count, batch, final=(
                 budget_end or self.model.stop_training or self._last_planned_batch(batch)))
         if budget_end:
             if not self.model.stop_training and self.verbose:
@@ -484,7 +430,7 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         _ledger(self.model).clear_limits()
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None and self._config is not None:
+        if logs is not None and self._assumptions is not None:
             logs["epsilon"] = self.epsilon
 
     # -- reports ---------------------------------------------------------------
@@ -492,7 +438,18 @@ class PrivacyAccountant(BatchEpsilonMixin, keras.callbacks.Callback):
         """:func:`privacy_report` for what the model has received so far, plus
         ``dp_updates, ledger, batch_size_source, sampling_source,
         steps_per_execution, gradient_accumulation_steps, stopped_at``."""
-        return accountant_report(self)
+        if self.model is None:
+            raise ValueError("report() needs the accountant to have been used in fit().")
+        if self._assumptions is None:
+            self._assumptions = self._resolve()
+        rows = [row for row in self._rows() if row.updates]
+        selection = self._selection_events()
+        key = (tuple(rows), tuple(selection), self._assumptions)
+        if self._report_cache[0] != key:
+            self._report_cache = (key, accountant_report(
+                self, self._assumptions, rows, selection,
+                overflow_cap=self._overflow_cap, batches_rate=self._batches_rate))
+        return copy.deepcopy(self._report_cache[1])
 
     def statement(self):
         """A readable paragraph (the same format as ``keras-dp-lm epsilon``)."""

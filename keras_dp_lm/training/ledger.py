@@ -163,24 +163,20 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         keys = list(store.keys())
         table = np.asarray(store["table"], dtype="float64")
         count = int(np.asarray(store["num_rows"]))
-        if table.shape != (MAX_ROWS, COLUMNS) or not 0 <= count <= MAX_ROWS:
+        missing = sorted({"unit", "poisson_seen", "lineage", "selection"} - set(keys))
+        if table.shape != (MAX_ROWS, COLUMNS) or not 0 <= count <= MAX_ROWS or missing:
             raise ValueError(
-                f"The saved privacy ledger has shape {table.shape} and {count} rows; "
-                f"expected ({MAX_ROWS}, {COLUMNS}). It was written by an "
-                "incompatible keras_dp_lm version.")
+                f"The saved privacy ledger has shape {table.shape} and {count} rows"
+                + (f" and lacks {missing}" if missing else "")
+                + f"; expected ({MAX_ROWS}, {COLUMNS}) and every entry. It was written by "
+                "an incompatible keras_dp_lm version.")
         file_rows = [(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
         if not file_rows:
             return
-        # Files from before user-level DP hold example-level updates only.
-        file_unit = (int(np.asarray(store["unit"])) if "unit" in keys
-                     else PRIVACY_UNITS["example"])
-        file_seen = (np.asarray(store["poisson_seen"], dtype="float64")
-                     if "poisson_seen" in keys else np.zeros((3,)))
-        # Files from before lineages share nothing known with any ledger.
-        file_lineage = (np.asarray(store["lineage"], dtype="int64").tolist()
-                        if "lineage" in keys else [0, 0, 0])
-        file_selection = (np.asarray(store["selection"], dtype="float64")
-                          if "selection" in keys else np.zeros((3,)))
+        file_unit = int(np.asarray(store["unit"]))
+        file_seen = np.asarray(store["poisson_seen"], dtype="float64")
+        file_lineage = np.asarray(store["lineage"], dtype="int64").tolist()
+        file_selection = np.asarray(store["selection"], dtype="float64")
         held = self.rows()
         new = unshared_rows(held, self.lineage.numpy().tolist(), file_rows, file_lineage)
         if new and file_selection[0] > 0:
