@@ -93,7 +93,7 @@ def _scores(runs):
 
 def markdown(rows):
     lines = ["| task | N / smallest class | row | eps 3: acc / balanced / lowest recall | "
-             "eps 8: same | total epsilon (max) |", "|---|---|---|---:|---:|---:|"]
+             "eps 8: same | largest total epsilon (eps 3 / 8) |", "|---|---|---|---:|---:|---:|"]
     for row in rows:
         size = f"{row['train_size']:,} / {row['smallest_class']:,}"
         for label, key in (("non-private probe (picked on accuracy)", "non_private"),
@@ -103,11 +103,11 @@ def markdown(rows):
                          + "{:.1f} / {:.1f} / {:.1f}".format(*_scores([row[key]])) + " | | |")
         for variant, runs in row["variants"].items():
             cells = [_scores(runs[f"eps{eps:g}"]) for eps in utility_suite.EPSILONS]
-            spent = max(r["total_epsilon"] for eps in utility_suite.EPSILONS
-                        for r in runs[f"eps{eps:g}"])
+            spent = " / ".join(f"{max(r['total_epsilon'] for r in runs[f'eps{eps:g}']):.4f}"
+                               for eps in utility_suite.EPSILONS)
             lines.append(f"| {row['task']} | {size} | {variant} | "
                          + " | ".join("{:.1f} / {:.1f} / {:.1f}".format(*c) for c in cells)
-                         + f" | {spent:.4f} |")
+                         + f" | {spent} |")
     return "\n".join(lines)
 
 
@@ -117,7 +117,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tasks", nargs="*", default=["rotten_tomatoes", "rotten_tomatoes_3000"])
     parser.add_argument("--output", default=str(BENCHMARKS / "results" / "balanced_heads.json"))
+    parser.add_argument("--from-json", default=None, help="render an earlier run's rows")
     args = parser.parse_args(argv)
+    if args.from_json:
+        print(markdown(json.loads(Path(args.from_json).read_text())))
+        return
     utility_tasks.build_cache(args.data_dir, utility_tasks.sources_of(args.tasks))
     rows = []
     for name in args.tasks:
