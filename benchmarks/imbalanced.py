@@ -101,7 +101,7 @@ def load_unbalanced(name, data_dir):
     return splits, row
 
 
-def dp_head_priors(splits, epsilon, tau, class_weighting):
+def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2):
     """The README path plus ``DPClassPriors`` (released once, composed into the
     recipe's total with the mean's release) and the logit-adjusted loss; the test
     predictions use the raw logits."""
@@ -115,14 +115,14 @@ def dp_head_priors(splits, epsilon, tau, class_weighting):
     (x, y), (xt, yt) = splits["train"], splits["test"]
     normalization = DPFeatureNormalization()
     normalization.adapt(x)
-    priors = DPClassPriors(num_classes=2)
+    priors = DPClassPriors(num_classes=classes)
     priors.release(y)
     recipe = suggest_recipe(len(y), epsilon, utility_suite.DELTA,
                             epochs=utility_suite.DP_EPOCHS,
-                            num_parameters=(x.shape[1] + 1) * 2, trainable="head",
+                            num_parameters=(x.shape[1] + 1) * classes, trainable="head",
                             extra_events=[normalization.dp_event(), priors.dp_event()])
     model = keras.Sequential([keras.Input((x.shape[1],)), normalization,
-                              utility_suite._probe(x.shape[1], 2)])
+                              utility_suite._probe(x.shape[1], classes)])
     batches = recipe.poisson_batches((x, y))
     optimizer = recipe.optimizer(utility_suite.DP_OPTIMIZER)
     model.compile(optimizer=optimizer, loss=LogitAdjustedSparseCategoricalCrossentropy(

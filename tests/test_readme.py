@@ -18,10 +18,6 @@ def _head_block():
     return next(b for b in BLOCKS if 'trainable="head"' in b)
 
 
-def _search_block():
-    return next(b for b in BLOCKS if "tuning.private_search" in b)
-
-
 def test_readme_opens_with_the_two_commands_and_stays_short():
     first_block = re.search(r"```bash\n(.*?)```", TEXT, re.S).group(1)
     assert first_block.splitlines()[0].startswith("make demo")
@@ -33,10 +29,10 @@ def test_readme_opens_with_the_two_commands_and_stays_short():
 def test_every_readme_block_is_run_by_the_wheel_test():
     import test_wheel   # tests/ is on the path (conftest.py)
 
-    assert sorted(BLOCKS) == sorted([_lm_block(), _head_block(), _search_block()])
+    assert sorted(BLOCKS) == sorted([_lm_block(), _head_block()])
     scripts = test_wheel._scripts()
     assert scripts["readme_lm"] == _lm_block()
-    assert scripts["readme_head_and_search"] == _head_block() + "\n" + _search_block()
+    assert scripts["readme_head"] == _head_block()
 
 
 def test_readme_links_point_at_existing_files():
