@@ -1,7 +1,11 @@
 """``PrivacyAccountant``: epsilon in ``fit``'s logs and a stop before a target epsilon."""
 
+from __future__ import annotations
+
 import copy
 import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import keras
 
@@ -30,6 +34,10 @@ from keras_dp_lm.callbacks.accountant_report import accountant_report
 from keras_dp_lm.callbacks.feature_releases import check_feature_releases
 from keras_dp_lm.callbacks.batch_epsilon import BatchEpsilon
 from keras_dp_lm.callbacks.fit_assumptions import resolve_fit_assumptions
+
+if TYPE_CHECKING:
+    import dp_accounting
+    import tensorflow as tf
 
 
 def _ledger(model):
@@ -110,9 +118,12 @@ class PrivacyAccountant(keras.callbacks.Callback):
         True
     """
 
-    def __init__(self, target_epsilon=None, delta=None, dataset_size=None,
-                 accountant="pld", batch_size=None, sampling="auto", batches=None,
-                 extra_events=(), examples_per_user=None, verbose=1):
+    def __init__(self, target_epsilon: float | None = None, delta: float | None = None,
+                 dataset_size: int | None = None, accountant: str = "pld",
+                 batch_size: float | None = None, sampling: str = "auto",
+                 batches: tf.data.Dataset | None = None,
+                 extra_events: Sequence[dp_accounting.DpEvent | tuple[float, float]] = (),
+                 examples_per_user: int | None = None, verbose: int = 1) -> None:
         super().__init__()
         self._batches_rate = None
         # A Poisson draw above the batches' padded cap (module docstring of
@@ -229,7 +240,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         return done + largest_within(search, eps, self.target_epsilon)
 
     @property
-    def max_steps(self):
+    def max_steps(self) -> int | None:
         """Most updates within ``target_epsilon`` (None without a target or before fit)."""
         if self.target_epsilon is None or self._assumptions is None:
             return None
@@ -238,16 +249,16 @@ class PrivacyAccountant(keras.callbacks.Callback):
         return self._limit
 
     @property
-    def sampling_rate(self):
+    def sampling_rate(self) -> float | None:
         """q = logical batch size / dataset size (None before fit)."""
         return None if self._assumptions is None else self._assumptions.sampling_rate
 
     @property
-    def dp_updates(self):
+    def dp_updates(self) -> int:
         """Noised updates the model has received (its saved privacy ledger)."""
         return _ledger(self.model).updates
 
-    def dp_events(self):
+    def dp_events(self) -> list[dp_accounting.DpEvent]:
         """The ``DpEvent`` of every noised update the model has received (its
         ledger, as applied), e.g. to compose with later training as
         ``extra_events`` of :func:`keras_dp_lm.recipes.suggest_recipe`."""
@@ -257,7 +268,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 + self._selection_events())
 
     @property
-    def epsilon(self):
+    def epsilon(self) -> float:
         """Training epsilon at ``delta`` of the ledger (chosen accountant)."""
         return self._exact_epsilon([row for row in self._rows() if row.updates])
 
@@ -357,7 +368,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         return min(ends) if ends else None
 
     # -- Keras hooks ---------------------------------------------------------
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         # A DP optimizer assigned without compile leaves Keras's plain step in
         # place: nothing would be clipped, noised or counted.
         check_optimizer_matches_step(self.model, is_bound_to_dp_step(self.model))
@@ -378,7 +389,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         # BackupAndRestore loading a backup) has run.
         self._begin_checked = False
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._fit_start is None:
             self._fit_start = self.dp_updates
         if not self._begin_checked:
@@ -389,10 +400,10 @@ class PrivacyAccountant(keras.callbacks.Callback):
             self._reset_batch_epsilon()
             self._fit_start = self.dp_updates
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch = epoch
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         ledger, assumed = _ledger(self.model), self._assumptions
         if int(ledger.violations.numpy()):
             self.model.stop_training = True
@@ -425,16 +436,16 @@ class PrivacyAccountant(keras.callbacks.Callback):
             self.stopped_at = count
             self.model.stop_training = True
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self.in_fit = False
         _ledger(self.model).clear_limits()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is not None and self._assumptions is not None:
             logs["epsilon"] = self.epsilon
 
     # -- reports ---------------------------------------------------------------
-    def report(self):
+    def report(self) -> dict[str, Any]:
         """:func:`privacy_report` for what the model has received so far, plus
         ``dp_updates, ledger, batch_size_source, sampling_source,
         steps_per_execution, gradient_accumulation_steps, stopped_at``."""
@@ -451,7 +462,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 overflow_cap=self._overflow_cap, batches_rate=self._batches_rate))
         return copy.deepcopy(self._report_cache[1])
 
-    def statement(self):
+    def statement(self) -> str:
         """A readable paragraph (the same format as ``keras-dp-lm epsilon``)."""
         return privacy_statement(self.report())
 
