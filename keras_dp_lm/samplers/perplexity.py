@@ -209,7 +209,9 @@ def public_mixture_perplexity(
         texts: str | Sequence[str], balls: Iterable[tuple[float, float]],
         public_floor: float = 1e-3, temperature: float = 1.0, sequence_length: int | None = None,
         batch_size: int = 8, max_tokens: int | None = None, packing: str = "preprocessor",
-        return_mean_lambda: bool = False) -> dict[tuple[float, float], float] | tuple[dict[tuple[float, float], float], dict[tuple[float, float], float]]:
+        return_mean_lambda: bool = False,
+) -> (dict[tuple[float, float], float]
+      | tuple[dict[tuple[float, float], float], dict[tuple[float, float], float]]):
     """Held-out perplexity of ``texts`` under :class:`PublicMixtureSampler`'s distribution.
 
     For each ``(alpha, beta)`` in ``balls`` a ``PublicMixtureSampler(private_lms,
