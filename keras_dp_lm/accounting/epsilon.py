@@ -7,9 +7,14 @@ configuration (:func:`keras_dp_lm.accounting._pld.gaussian_pld`) and shared;
 accountant's own arithmetic.
 """
 
+from __future__ import annotations
+
 import functools
 import math
 import numbers
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution as _pld_lib
@@ -38,8 +43,12 @@ from keras_dp_lm.accounting.events import make_accountant
 from keras_dp_lm.accounting.step_search import largest_n_within
 from keras_dp_lm.accounting.step_search import largest_within
 
+if TYPE_CHECKING:
+    import dp_accounting
 
-def compute_epsilon(noise_multiplier, sampling_rate, steps, delta, accountant="pld"):
+
+def compute_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
+                    accountant: str = "pld") -> float:
     """Epsilon of ``steps`` DP-SGD updates (Poisson rate ``q``, noise ``sigma``).
 
     Args:
@@ -274,8 +283,9 @@ def composed_curve(noise_multiplier, sampling_rate, delta, accountant="pld", ext
                                   extra_events, discretization, upper_bound)
 
 
-def epsilon_curve(noise_multiplier, sampling_rate, steps, delta, extra_events=(),
-                  accountant="pld"):
+def epsilon_curve(noise_multiplier: float, sampling_rate: float, steps: Sequence[int], delta: float,
+                  extra_events: Sequence[dp_accounting.DpEvent | tuple[float, float]] = (),
+                  accountant: str = "pld") -> list[float]:
     """Epsilon after each number of DP-SGD updates in ``steps``, in one accountant.
 
     ``epsilon_curve(sigma, q, steps, delta, extras)[i]`` is the epsilon at
@@ -318,8 +328,8 @@ def epsilon_curve(noise_multiplier, sampling_rate, steps, delta, extra_events=()
                           extra_events, upper_bound=True).values(steps)
 
 
-def max_steps(target_epsilon, delta, noise_multiplier, sampling_rate, accountant="pld",
-              near=None):
+def max_steps(target_epsilon: float, delta: float, noise_multiplier: float, sampling_rate: float,
+              accountant: str = "pld", near: int | None = None) -> int:
     """Largest number of DP-SGD updates whose epsilon stays <= ``target_epsilon``.
 
     Epsilon is taken at ``delta`` (in (0, 1)) for Poisson sampling rate
@@ -381,7 +391,8 @@ def _max_steps_with(curve, target_epsilon, near=None):
 
 
 
-def compose_epsilon(events, delta, accountant="pld"):
+def compose_epsilon(events: Sequence[dp_accounting.DpEvent | tuple[float, float]], delta: float,
+                    accountant: str = "pld") -> float:
     """Epsilon at ``delta`` of several mechanisms composed in ONE accountant.
 
     ``events`` are ``dp_accounting.DpEvent`` objects or ``(epsilon, delta)``
@@ -404,7 +415,8 @@ def compose_epsilon(events, delta, accountant="pld"):
     return float(acc.get_epsilon(delta))
 
 
-def ledger_epsilon(rows, dataset_size, delta, accountant="pld"):
+def ledger_epsilon(rows: Iterable[LedgerRow | tuple[float, float, float, int]], dataset_size: int,
+                   delta: float, accountant: str = "pld") -> float:
     """Epsilon at ``delta`` of everything a privacy ledger records.
 
     ``rows``: the ledger's ``(noise_multiplier, sampling_rate, max_real_batch,

@@ -6,8 +6,11 @@ ledger's rows become such events (:func:`ledger_events`). Adjacency is
 add/remove one example throughout.
 """
 
+from __future__ import annotations
+
 import math
 import typing
+from collections.abc import Iterable
 
 import attr
 import dp_accounting
@@ -85,7 +88,7 @@ class _PLDAccountant(dp_accounting.pld.PLDAccountant):
         return super()._maybe_compose(event, count, do_compose)
 
 
-def make_accountant(accountant="pld"):
+def make_accountant(accountant: str = "pld") -> dp_accounting.PrivacyAccountant:
     """A fresh ``dp_accounting`` accountant: ``"pld"`` or ``"rdp"``.
 
     The PLD one also accepts :class:`EpsilonDeltaDpEvent`.
@@ -100,7 +103,8 @@ def make_accountant(accountant="pld"):
     return _PLDAccountant()
 
 
-def dp_sgd_event(noise_multiplier, sampling_rate, steps):
+def dp_sgd_event(noise_multiplier: float, sampling_rate: float,
+                 steps: int) -> dp_accounting.DpEvent:
     """The ``DpEvent`` of ``steps`` Poisson-sampled Gaussian updates (DP-SGD).
 
     Each update samples every example with probability ``sampling_rate`` (q, in
@@ -198,20 +202,21 @@ class LedgerRow(typing.NamedTuple):
     max_real_batch: float
     updates: int
 
-    def rate(self, dataset_size):
+    def rate(self, dataset_size: int) -> float:
         """q: the sampler's rate, or the largest real batch / ``dataset_size``
         (N, the number of privacy units; capped at 1) for fixed batches."""
         if self.sampling_rate > 0:
             return self.sampling_rate
         return min(1.0, self.max_real_batch / dataset_size)
 
-    def dp_event(self, dataset_size):
+    def dp_event(self, dataset_size: int) -> dp_accounting.DpEvent:
         """The row's ``dp_accounting`` event: ``updates`` Poisson-sampled Gaussians
         at :meth:`rate` for ``dataset_size`` privacy units."""
         return dp_sgd_event(self.noise_multiplier, self.rate(dataset_size), self.updates)
 
 
-def ledger_events(rows, dataset_size):
+def ledger_events(rows: Iterable[LedgerRow | tuple[float, float, float, int]],
+                  dataset_size: int) -> list[dp_accounting.DpEvent]:
     """``DpEvent`` of a privacy ledger's rows (:class:`LedgerRow`), one per row
     with updates; ``dataset_size`` (privacy units) prices fixed-size rows.
 

@@ -12,18 +12,26 @@ Example:
     378
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from scipy import stats
 
 from keras_dp_lm.accounting._arguments import check_integer
 from keras_dp_lm.accounting._arguments import check_sampling_rate
 
+if TYPE_CHECKING:
+    import tensorflow as tf
+
 __all__ = ["bernstein_excess", "overflow_probability", "poisson_count_cap",
            "suggest_max_batch_size"]
 
 
-def overflow_probability(dataset_size, sampling_rate, max_batch_size, steps=1):
+def overflow_probability(dataset_size: int, sampling_rate: float, max_batch_size: int,
+                         steps: int = 1) -> float:
     """Probability that at least one of ``steps`` Poisson draws exceeds ``max_batch_size``.
 
     One draw has ``Binomial(dataset_size, sampling_rate)`` examples; its tail
@@ -48,7 +56,8 @@ def overflow_probability(dataset_size, sampling_rate, max_batch_size, steps=1):
     return float(-math.expm1(steps * math.log1p(-per_step)))
 
 
-def suggest_max_batch_size(dataset_size, sampling_rate, steps, max_overflow_probability=1e-9):
+def suggest_max_batch_size(dataset_size: int, sampling_rate: float, steps: int,
+                           max_overflow_probability: float = 1e-9) -> int:
     """Smallest ``max_batch_size`` whose overflow probability over ``steps`` draws
     is at most ``max_overflow_probability``.
 
@@ -79,7 +88,8 @@ def suggest_max_batch_size(dataset_size, sampling_rate, steps, max_overflow_prob
     return min(size, n)
 
 
-def poisson_count_cap(dataset_size, sampling_rate, steps, probability):
+def poisson_count_cap(dataset_size: int, sampling_rate: float, steps: int,
+                      probability: float) -> int:
     """A count that ``steps`` Poisson draws exceed with probability at most
     ``probability`` (together), in closed form: Bernstein's tail bound for
     ``Binomial(dataset_size + 1, sampling_rate)``,
@@ -103,7 +113,9 @@ def poisson_count_cap(dataset_size, sampling_rate, steps, probability):
     return min(n, int(math.floor(mean + t)))
 
 
-def bernstein_excess(variance, log_term, sqrt=math.sqrt):
+def bernstein_excess(
+        variance: float | tf.Tensor, log_term: float | tf.Tensor,
+        sqrt: Callable[[float | tf.Tensor], float | tf.Tensor] = math.sqrt) -> float | tf.Tensor:
     """The ``t`` at which Bernstein's bound ``exp(-t^2 / (2 (variance + t / 3)))``
     for a sum of independent Bernoulli draws equals ``exp(-log_term)``.
 

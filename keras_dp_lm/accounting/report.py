@@ -1,6 +1,11 @@
 """Privacy reports: a dict, a readable statement and JSON."""
 
+from __future__ import annotations
+
 import math
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from dp_accounting import dp_event
 
@@ -23,6 +28,9 @@ from keras_dp_lm.accounting.events import pick_accountant
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.user_level import user_level_epsilon
 
+if TYPE_CHECKING:
+    import dp_accounting
+
 
 # ---------------------------------------------------------------------------
 # reports
@@ -33,10 +41,12 @@ def _finite_or_str(value):
     return value
 
 
-def privacy_report(noise_multiplier, sampling_rate, steps, delta, *,
-                   dataset_size=None, batch_size=None, sampling="poisson",
-                   accountant="pld", extra_events=(), target_epsilon=None,
-                   examples_per_user=None, l2_norm_clip=None):
+def privacy_report(noise_multiplier: float, sampling_rate: float, steps: int, delta: float, *,
+                   dataset_size: int | None = None, batch_size: int | None = None,
+                   sampling: str = "poisson", accountant: str = "pld",
+                   extra_events: Sequence[dp_accounting.DpEvent | tuple[float, float]] = (),
+                   target_epsilon: float | None = None, examples_per_user: int | None = None,
+                   l2_norm_clip: float | None = None) -> dict[str, Any]:
     """A dict describing the guarantee of a DP-SGD run (+ other releases).
 
     Keys: ``noise_multiplier, sampling_rate, steps, epochs, delta,
@@ -155,7 +165,7 @@ def format_epsilon(value):
     return f"{math.ceil(value / unit - 1e-9) * unit:.3g}"
 
 
-def privacy_statement(report):
+def privacy_statement(report: Mapping[str, Any]) -> str:
     """A readable paragraph for a :func:`privacy_report` dict ``report``.
 
     Epsilons are rounded up to 3 significant digits.
@@ -224,7 +234,7 @@ def privacy_statement(report):
     return " ".join(lines)
 
 
-def report_to_json(report):
+def report_to_json(report: Mapping[str, Any]) -> dict[str, Any]:
     """``report`` with non-finite floats as strings, ready for ``json.dumps``."""
     out = {}
     for key, value in report.items():

@@ -40,6 +40,8 @@ Example:
     True
 """
 
+from __future__ import annotations
+
 import math
 import random
 
@@ -97,7 +99,7 @@ class TrialCount:
         True
     """
 
-    def __init__(self, mean_trials, shape=1.0):
+    def __init__(self, mean_trials: float, shape: float = 1.0) -> None:
         self.mean_trials = _check_mean(mean_trials)
         self.shape = _check_shape(shape)
         self.gamma = None if self.shape == POISSON else self._solve_gamma()
@@ -125,11 +127,11 @@ class TrialCount:
                 high = mid
         return high  # mean(high) <= mean_trials
 
-    def mean(self):
+    def mean(self) -> float:
         """E[K] of the distribution drawn from."""
         return self.mean_trials if self.shape == POISSON else self._tnb_mean(self.gamma)
 
-    def pmf(self, k):
+    def pmf(self, k: int) -> float:
         """P[K = k]."""
         if k < 0 or int(k) != k:
             return 0.0
@@ -154,7 +156,7 @@ class TrialCount:
             log_prod = math.lgamma(k + eta) - math.lgamma(eta + 1) - math.lgamma(k + 1)
         return math.exp(k * math.log1p(-gamma) + log_prod - log_norm)
 
-    def sample(self, seed=None):
+    def sample(self, seed: int | None = None) -> int:
         """One draw of ``K`` (inverse CDF), from OS entropy unless ``seed`` is given."""
         rng = random.SystemRandom() if seed is None else random.Random(seed)
         u = rng.random()
@@ -166,7 +168,8 @@ class TrialCount:
             k += 1
 
 
-def trial_event(noise_multiplier, sampling_rate, steps, score_noise_multiplier=None):
+def trial_event(noise_multiplier: float, sampling_rate: float, steps: int,
+                score_noise_multiplier: float | None = None) -> dp_accounting.DpEvent:
     """The ``DpEvent`` of one trial: ``steps`` DP-SGD updates and, when
     ``score_noise_multiplier`` is given, one Gaussian release of its validation
     score (sensitivity 1: a sum of per-example scores in [0, 1]).
@@ -185,7 +188,8 @@ def trial_event(noise_multiplier, sampling_rate, steps, score_noise_multiplier=N
     return dp_event.ComposedDpEvent([training, dp_event.GaussianDpEvent(score)])
 
 
-def selection_event(trial, mean_trials, shape=1.0):
+def selection_event(trial: dp_accounting.DpEvent, mean_trials: float,
+                    shape: float = 1.0) -> dp_accounting.dp_event.RepeatAndSelectDpEvent:
     """``RepeatAndSelectDpEvent``: ``K`` runs of ``trial`` (``E[K] = mean_trials``,
     distribution ``shape``), only the best released."""
     if not isinstance(trial, dp_event.DpEvent):
@@ -194,7 +198,8 @@ def selection_event(trial, mean_trials, shape=1.0):
                                            _check_shape(shape))
 
 
-def selection_epsilon(trial, delta, mean_trials, shape=1.0):
+def selection_epsilon(trial: dp_accounting.DpEvent, delta: float, mean_trials: float,
+                      shape: float = 1.0) -> float:
     """Epsilon of the whole search (``dp_accounting``'s RDP accountant, the only one
     that composes private selection), at ``delta``, add/remove-one adjacency."""
     delta = check_delta(delta)
@@ -222,8 +227,10 @@ def _smallest_noise(make_event, target_epsilon, delta, guess, rtol):
     raise RuntimeError("Noise calibration failed to meet the target epsilon.")
 
 
-def calibrate_search_noise(target_epsilon, delta, sampling_rate, steps, mean_trials,
-                           shape=1.0, score_noise_multiplier=None, rtol=1e-3):
+def calibrate_search_noise(target_epsilon: float, delta: float, sampling_rate: float, steps: int,
+                           mean_trials: float, shape: float = 1.0,
+                           score_noise_multiplier: float | None = None,
+                           rtol: float = 1e-3) -> float:
     """The smallest training noise multiplier (within ``rtol``) for which a search
     of ``mean_trials`` trials (each ``steps`` updates at ``sampling_rate``, plus
     a score released with ``score_noise_multiplier``) spends at most
@@ -257,8 +264,8 @@ def calibrate_search_noise(target_epsilon, delta, sampling_rate, steps, mean_tri
     return _smallest_noise(make_event, target_epsilon, delta, 1.0, rtol)
 
 
-def calibrate_score_noise(target_epsilon, delta, mean_trials, shape=1.0, at_least=0.0,
-                          rtol=1e-3):
+def calibrate_score_noise(target_epsilon: float, delta: float, mean_trials: float,
+                          shape: float = 1.0, at_least: float = 0.0, rtol: float = 1e-3) -> float:
     """The smallest noise multiplier, at least ``at_least``, of a trial's score
     (a Gaussian release of sensitivity 1) whose selection alone spends at most
     ``target_epsilon``: the score's share of a search's budget.

@@ -1,5 +1,7 @@
 """Epsilon when one person contributes several examples (group privacy)."""
 
+from __future__ import annotations
+
 import math
 
 import numpy as np
@@ -18,8 +20,9 @@ from keras_dp_lm.accounting.events import make_accountant
 # ---------------------------------------------------------------------------
 # user-level accounting
 # ---------------------------------------------------------------------------
-def user_level_epsilon(noise_multiplier, sampling_rate, steps, delta,
-                       examples_per_user, method="group", accountant="pld"):
+def user_level_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta: float,
+                       examples_per_user: int, method: str = "group",
+                       accountant: str = "pld") -> float:
     """Epsilon for a USER who contributes at most ``examples_per_user`` (k) examples.
 
     The training is ``steps`` DP-SGD updates with ``noise_multiplier`` (sigma,

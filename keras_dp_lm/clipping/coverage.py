@@ -1,6 +1,9 @@
 """What fast clipping will do for each variable of a model, and why."""
 
+from __future__ import annotations
+
 import collections
+from typing import TYPE_CHECKING
 
 from keras_dp_lm.clipping._common import _layer_desc
 from keras_dp_lm.clipping._common import _plain
@@ -13,7 +16,12 @@ from keras_dp_lm.clipping.recording import _Plan
 from keras_dp_lm.clipping.registry import _rules
 from keras_dp_lm.clipping.registry import _lora_unsupported
 
-def clipping_coverage(model, sequence_length=None, batch_size=None):
+if TYPE_CHECKING:
+    import keras
+
+
+def clipping_coverage(model: keras.Model, sequence_length: int | None = None,
+                      batch_size: int | None = None) -> dict[str, str]:
     """How each trainable variable's per-example norm will be computed.
 
     Returns a dict ``var.path -> "ghost" | "instantiate" | "exact"``:
@@ -50,7 +58,7 @@ def clipping_coverage(model, sequence_length=None, batch_size=None):
     return out
 
 
-def exact_reason(model, variable):
+def exact_reason(model: keras.Model, variable: keras.Variable) -> str:
     """Why ``variable`` of ``model`` gets exact per-example gradients ("" when it
     does not): the reason the last :func:`fast_clipped_sum` on ``model``
     recorded, else one read from the model's layers."""
@@ -76,7 +84,8 @@ def exact_reason(model, variable):
     return "the rule does not cover this variable"
 
 
-def coverage_report(model, sequence_length=None, batch_size=None):
+def coverage_report(model: keras.Model, sequence_length: int | None = None,
+                    batch_size: int | None = None) -> str:
     """A readable table of :func:`clipping_coverage` with layer names and sizes.
 
     One row per trainable variable of ``model`` (a Keras model), then each

@@ -1,5 +1,10 @@
 """``clipped_sum``: per-example clipping of a model by the engine its DP optimizer names."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import tensorflow as tf
 
 from keras_dp_lm.clipping.exact import exact_clipped_sum
@@ -7,9 +12,15 @@ from keras_dp_lm.clipping.fast import fast_clipped_sum
 from keras_dp_lm.clipping.interface import losses_and_outputs
 from keras_dp_lm.clipping.interface import sum_dtype
 
+if TYPE_CHECKING:
+    import keras
 
-def clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None,
-                examples_per_user=1):
+    from keras_dp_lm.clipping.interface import ClippedSum
+
+
+def clipped_sum(model: keras.Model, loss_fn: Callable[[Any], tf.Tensor | tuple[tf.Tensor, Any]],
+                data: Any, l2_norm_clip: float, method: str = "auto",
+                slot_mask: tf.Tensor | None = None, examples_per_user: int = 1) -> ClippedSum:
     """Per-example clipping of ``model``'s trainable variables by the chosen engine.
 
     Args:

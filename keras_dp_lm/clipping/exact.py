@@ -9,6 +9,12 @@ so it loops over examples instead: the same numbers, at batch-of-one speed.
 Gradients, norms and sums are taken in float32 whatever the compute dtype.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 import tensorflow as tf
 
 from keras_dp_lm.clipping.interface import ClippedSum
@@ -20,6 +26,9 @@ from keras_dp_lm.clipping.interface import onednn_enabled
 from keras_dp_lm.clipping.interface import scale_examples
 from keras_dp_lm.clipping.interface import user_slot_mask
 from keras_dp_lm.clipping.rounding import unit_norms
+
+if TYPE_CHECKING:
+    import keras
 
 
 def tf_variable(v):
@@ -62,7 +71,9 @@ def one_example_gradient(loss_fn, example, variables):
     return losses, [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
 
 
-def per_example_gradients(loss_fn, data, variables, batch_size=None):
+def per_example_gradients(loss_fn: Callable[[Any], tf.Tensor], data: Any,
+                          variables: Sequence[keras.Variable | tf.Variable],
+                          batch_size: int | tf.Tensor | None = None) -> list[tf.Tensor]:
     """Exact per-example gradients: one float32 ``[B, *v.shape]`` tensor per variable.
 
     ``loss_fn(batch)`` returns the per-example losses of any slice of ``data``
@@ -93,8 +104,10 @@ def per_example_gradients(loss_fn, data, variables, batch_size=None):
     return tf.map_fn(one, tf.range(size), fn_output_signature=spec)
 
 
-def exact_clipped_sum(loss_fn, data, variables, l2_norm_clip, vectorize=None,
-                      slot_mask=None, examples_per_user=1):
+def exact_clipped_sum(loss_fn: Callable[[Any], tf.Tensor | tuple[tf.Tensor, Any]], data: Any,
+                      variables: Sequence[keras.Variable | tf.Variable],
+                      l2_norm_clip: float | tf.Tensor, vectorize: bool | None = None,
+                      slot_mask: tf.Tensor | None = None, examples_per_user: int = 1) -> ClippedSum:
     """Exact per-example clipping by computing every example's gradient.
 
     Args:

@@ -58,8 +58,12 @@ Notes:
   installed once and look up the recording of the calling thread.
 """
 
+from __future__ import annotations
+
 import collections
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
@@ -92,6 +96,9 @@ from keras_dp_lm.clipping.rounding import sum_squares
 from keras_dp_lm.clipping.rounding import summed_terms_allowance
 from keras_dp_lm.errors import PrivacyRefusalError
 
+if TYPE_CHECKING:
+    import keras
+
 _LAST_DECISIONS = weakref.WeakKeyDictionary()
 _LAST_REASONS = weakref.WeakKeyDictionary()
 
@@ -120,8 +127,10 @@ def _mark_unbatched_calls(rec, rows):
                 rec.mark_bad(c.var, reason)
 
 
-def fast_clipped_sum(model, loss_fn, data, l2_norm_clip, method="auto", slot_mask=None,
-                     examples_per_user=1):
+def fast_clipped_sum(model: keras.Model,
+                     loss_fn: Callable[[Any], tf.Tensor | tuple[tf.Tensor, Any]], data: Any,
+                     l2_norm_clip: float, method: str = "auto", slot_mask: tf.Tensor | None = None,
+                     examples_per_user: int = 1) -> ClippedSum:
     """Per-example gradient norms and the sum of clipped per-example gradients.
 
     Args:

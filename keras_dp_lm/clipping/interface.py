@@ -8,30 +8,41 @@ gradients (:mod:`keras_dp_lm.clipping.exact`) or per-layer fast rules with
 exact fallback (:mod:`keras_dp_lm.clipping.fast`).
 """
 
-import collections
+from __future__ import annotations
+
 import os
+import typing
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
-ClippedSum = collections.namedtuple(
-    "ClippedSum", ["grads", "norms", "losses", "outputs", "fast_norms", "exact",
-                   "rounding"],
-    defaults=(None, None, None, None))
-ClippedSum.__doc__ = """Result of per-example clipping (a named tuple).
 
-Attributes:
-    grads: list aligned with the variables: ``sum_i clip(g_i)`` (no noise, not divided).
-    norms: ``[B]`` per-example gradient L2 norms before clipping.
-    losses: ``[B]`` per-example losses.
-    outputs: model outputs of a batched forward pass, or ``None`` when none was made.
-    fast_norms: ``[B]`` the part of ``norms`` over the variables fast rules read
-        (``None`` from the exact engine).
-    exact: bools aligned with the variables, ``True`` where the engine took exact
-        per-example gradients (``None`` from the exact engine).
-    rounding: ``[B]`` the float32 rounding allowance included in ``norms**2`` (the
-        fast engine's norms read from Gram matrices are made upper bounds of the
-        norms of the vectors summed); ``None`` from the exact engine.
-"""
+class ClippedSum(typing.NamedTuple):
+    """Result of per-example clipping (a named tuple).
+
+    Attributes:
+        grads: list aligned with the variables: ``sum_i clip(g_i)`` (no noise, not divided).
+        norms: ``[B]`` per-example gradient L2 norms before clipping.
+        losses: ``[B]`` per-example losses.
+        outputs: model outputs of a batched forward pass, or ``None`` when none was made.
+        fast_norms: ``[B]`` the part of ``norms`` over the variables fast rules read
+            (``None`` from the exact engine).
+        exact: bools aligned with the variables, ``True`` where the engine took exact
+            per-example gradients (``None`` from the exact engine).
+        rounding: ``[B]`` the float32 rounding allowance included in ``norms**2`` (the
+            fast engine's norms read from Gram matrices are made upper bounds of the
+            norms of the vectors summed); ``None`` from the exact engine.
+    """
+
+    grads: list[tf.Tensor]
+    norms: tf.Tensor
+    losses: tf.Tensor
+    outputs: Any = None
+    fast_norms: tf.Tensor | None = None
+    exact: list[bool] | None = None
+    rounding: tf.Tensor | None = None
 
 
 class UncoveredLayersError(ValueError):
@@ -41,7 +52,7 @@ class UncoveredLayersError(ValueError):
     ``reason`` (optional) is a short phrase shown in parentheses in the message.
     """
 
-    def __init__(self, uncovered, reason=None):
+    def __init__(self, uncovered: Mapping[str, Sequence[str]], reason: str | None = None) -> None:
         self.uncovered = dict(uncovered)
         lines = [f"  {layer}: {', '.join(paths)}"
                  for layer, paths in self.uncovered.items()]
@@ -59,12 +70,13 @@ class UncoveredLayersError(ValueError):
         super().__init__(msg)
 
 
-def onednn_enabled():
+def onednn_enabled() -> bool:
     """Whether TensorFlow's oneDNN kernels are on (decided at TF import)."""
     return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() not in ("0", "false", "False")
 
 
-def clip_factors(norms, l2_norm_clip, slot_mask=None):
+def clip_factors(norms: tf.Tensor, l2_norm_clip: float | tf.Tensor,
+                 slot_mask: tf.Tensor | None = None) -> tf.Tensor:
     """``min(1, C / norm)`` per example, in float32, for ``norms`` (``[B]``
     per-example gradient L2 norms) and ``l2_norm_clip`` (C, the clipping bound).
 
@@ -105,7 +117,7 @@ def sum_dtype(variable):
     return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
 
 
-def scale_examples(per_example, factors):
+def scale_examples(per_example: tf.Tensor, factors: tf.Tensor) -> tf.Tensor:
     """``factors[i] * per_example[i]`` (float32), exactly 0 where ``factors[i] == 0``.
 
     ``0 * nan`` is ``nan``: a dropped example's rows are replaced, not multiplied.
@@ -132,7 +144,7 @@ def check_examples_per_user(examples_per_user):
     return k
 
 
-def sum_user_rows(per_example, examples_per_user):
+def sum_user_rows(per_example: tf.Tensor, examples_per_user: int) -> tf.Tensor:
     """``[B, ...] -> [B / k, ...]``: the sum of each user's ``k`` consecutive rows.
 
     ``per_example``: a ``[B, ...]`` tensor of per-row values; ``examples_per_user``:
@@ -157,7 +169,7 @@ def sum_user_rows(per_example, examples_per_user):
     return out
 
 
-def user_slot_mask(slot_mask, examples_per_user):
+def user_slot_mask(slot_mask: tf.Tensor, examples_per_user: int) -> tf.Tensor:
     """``[B] -> [B / k]``: 1 for a user with at least one real slot, else 0.
 
     ``slot_mask``: ``[B]``, 1 on real slots and 0 on padding; ``examples_per_user``:
@@ -175,7 +187,7 @@ def user_slot_mask(slot_mask, examples_per_user):
     return tf.reduce_max(tf.reshape(slot_mask, [-1, k]), axis=1)
 
 
-def batch_size_of(data):
+def batch_size_of(data: Any) -> int | tf.Tensor:
     """Leading dimension of the first non-None tensor in the nested structure
     ``data`` (a Python int when static, else a scalar tensor)."""
     first = next(t for t in tf.nest.flatten(data) if t is not None)

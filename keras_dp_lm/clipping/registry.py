@@ -1,7 +1,15 @@
 """Which layer classes fast clipping covers, and the public way to add one."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from keras_dp_lm.clipping._common import _plain
 from keras_dp_lm.clipping._common import lora_enabled
+
+if TYPE_CHECKING:
+    import keras
 
 _RULES_BY_CLASS = {}
 # Registrations deferred to first use: ``keras_dp_lm.clipping.rules`` defers
@@ -23,7 +31,9 @@ def _rules():
     return _RULES_BY_CLASS
 
 
-def register_clipping_rule(layer_class, rule=None):
+def register_clipping_rule(
+        layer_class: type[keras.layers.Layer],
+        rule: type[keras.layers.Layer] | object | None = None) -> Callable[[Any], Any] | None:
     """Declare how fast clipping handles ``layer_class`` (exactly that class).
 
     Called with ``layer_class`` alone, it is a class decorator that registers

@@ -26,11 +26,19 @@ bound) is unchanged. Its optional class weights ``min(prior) / prior[y]`` lie in
 ``(0, 1]``: they only shrink an example's gradient before clipping.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import dp_accounting
 import keras
 import numpy as np
 
 from keras_dp_lm.accounting._arguments import check_noise
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+    from numpy.typing import ArrayLike
 
 # Noise std on each class count (sensitivity 1). About epsilon 0.4 alone at
 # delta 1e-6, far less once composed with DP-SGD (PLD); the count of a class with
@@ -42,7 +50,7 @@ MIN_COUNT = 1.0
 PRIVACY_UNITS = ("example", "user")
 
 
-def release_sensitivity():
+def release_sensitivity() -> float:
     """L2 sensitivity of the count vector under adding or removing one privacy
     unit (a record, or a user whose histogram is normalised to sum 1)."""
     return 1.0
@@ -106,8 +114,8 @@ class DPClassPriors:
         True
     """
 
-    def __init__(self, num_classes, noise_multiplier=PRIOR_NOISE_MULTIPLIER,
-                 min_count=MIN_COUNT, seed=None):
+    def __init__(self, num_classes: int, noise_multiplier: float = PRIOR_NOISE_MULTIPLIER,
+                 min_count: float = MIN_COUNT, seed: int | None = None) -> None:
         if (isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer))
                 or num_classes < 2):
             raise ValueError(f"`num_classes` must be an int >= 2, got {num_classes!r}.")
@@ -153,7 +161,7 @@ class DPClassPriors:
         np.add.at(counts, y, 1.0 / per_user[index])
         return counts
 
-    def release(self, labels, user_ids=None):
+    def release(self, labels: ArrayLike, user_ids: ArrayLike | None = None) -> np.ndarray:
         """Release the noised histogram of ``labels`` (``[N]`` class ids) and
         return the priors (one more release). ``user_ids`` (``[N]``): the privacy
         unit is a user, whose label histogram counts with total weight 1."""
@@ -175,12 +183,12 @@ class DPClassPriors:
         self.priors = floored / floored.sum()
         return self.priors.copy()
 
-    def dp_event(self):
+    def dp_event(self) -> dp_accounting.DpEvent:
         """The ``dp_accounting`` event of every release (the planned one before the
         first): ``GaussianDpEvent(noise_multiplier / release_sensitivity())`` each."""
         return _releases_event(self.noise_multiplier, max(self.num_releases, 1))
 
-    def class_weights(self):
+    def class_weights(self) -> np.ndarray:
         """``min(priors) / priors``: weight 1 for the rarest class, in ``(0, 1]``."""
         return _class_weights(self._require_priors())
 
@@ -243,9 +251,11 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         2.3026
     """
 
-    def __init__(self, priors, tau=1.0, class_weighting=False, from_logits=True,
-                 reduction="sum_over_batch_size",
-                 name="logit_adjusted_sparse_categorical_crossentropy", dtype=None):
+    def __init__(self, priors: DPClassPriors | ArrayLike, tau: float = 1.0,
+                 class_weighting: bool = False, from_logits: bool = True,
+                 reduction: str | None = "sum_over_batch_size",
+                 name: str = "logit_adjusted_sparse_categorical_crossentropy",
+                 dtype: str | None = None) -> None:
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         if not from_logits:
             raise ValueError("LogitAdjustedSparseCategoricalCrossentropy adjusts logits: "
@@ -264,12 +274,12 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         self.from_logits = True
 
     @property
-    def release_event(self):
+    def release_event(self) -> dp_accounting.DpEvent | None:
         """The ``dp_accounting`` event of the release the priors came from, or
         None for priors given as a vector (taken as public)."""
         return None if self._release is None else _releases_event(*self._release)
 
-    def call(self, y_true, y_pred):
+    def call(self, y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
         ops = keras.ops
         logits = ops.convert_to_tensor(y_pred)
         offset = ops.convert_to_tensor(self.tau * np.log(self.priors), dtype=logits.dtype)
@@ -283,7 +293,7 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
             values = values * ops.take(weights, labels)
         return values
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update(priors=[float(p) for p in self.priors], tau=self.tau,
                       class_weighting=self.class_weighting, from_logits=True)
@@ -293,7 +303,7 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> LogitAdjustedSparseCategoricalCrossentropy:
         config = dict(config)
         release = config.pop("release", None)
         loss = cls(**config)

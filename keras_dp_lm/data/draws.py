@@ -5,6 +5,8 @@ the padded size (a bucket, :func:`padding_buckets`, or the cap), and what an
 overflow of the cap does. The only randomness of the samplers.
 """
 
+from __future__ import annotations
+
 import bisect
 import math
 import warnings
@@ -26,7 +28,8 @@ class PoissonOverflowError(RuntimeError):
 PADDING_MODES = ("bucket", "max")
 
 
-def padding_buckets(dataset_size, sampling_rate, max_batch_size, ratio=1.15):
+def padding_buckets(dataset_size: int, sampling_rate: float, max_batch_size: int,
+                    ratio: float = 1.15) -> list[int]:
     """Batch sizes a Poisson batch is padded up to: ratio-spaced up to the cap.
 
     For ``dataset_size`` (N) units drawn at Poisson rate ``sampling_rate`` (q),

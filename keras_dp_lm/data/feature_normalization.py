@@ -23,14 +23,22 @@ sum by the true ``n`` instead would move the released mean by up to twice the
 sum's sensitivity under add/remove, and its noise scale with the data too.)
 """
 
+from __future__ import annotations
+
 import contextlib
 import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import dp_accounting
 import keras
 import numpy as np
 
 from keras_dp_lm.accounting._arguments import check_noise
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+    from numpy.typing import ArrayLike
 
 # The norm the head rule of keras_dp_lm.recipes (rate 2 / steps) was tuned for:
 # all-MiniLM-L6-v2's mean-pooled features have norms of 3.7-3.8 on the utility
@@ -84,7 +92,7 @@ def is_release_layer(layer):
     return getattr(type(layer), "_keras_dp_lm_release_layer", False) is True
 
 
-def release_sensitivity():
+def release_sensitivity() -> float:
     """L2 sensitivity of the released pair ``(sum of unit vectors, count /
     COUNT_NOISE_SCALE)`` under adding or removing one privacy unit, each
     coordinate noised with the same std."""
@@ -163,8 +171,9 @@ class DPFeatureNormalization(keras.layers.Layer):
 
     _keras_dp_lm_release_layer = True  # what is_release_layer reads (reload-proof)
 
-    def __init__(self, norm=HEAD_FEATURE_NORM, noise_multiplier=MEAN_NOISE_MULTIPLIER,
-                 seed=None, num_releases=0, privacy_unit="example", **kwargs):
+    def __init__(self, norm: float = HEAD_FEATURE_NORM,
+                 noise_multiplier: float = MEAN_NOISE_MULTIPLIER, seed: int | None = None,
+                 num_releases: int = 0, privacy_unit: str = "example", **kwargs: Any) -> None:
         kwargs.setdefault("trainable", False)
         super().__init__(**kwargs)
         norm = float(norm)
@@ -190,7 +199,7 @@ class DPFeatureNormalization(keras.layers.Layer):
         self.mean = None
         self.released_sum = self.released_count = None  # the last adapt's release
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
         self.mean = self.add_weight(shape=(int(input_shape[-1]),), initializer="zeros",
                                     trainable=False, name="mean")
         # The release count travels with the weights too (load_weights into a
@@ -199,12 +208,12 @@ class DPFeatureNormalization(keras.layers.Layer):
                                         trainable=False, name="releases")
         self.releases.assign(self.num_releases)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Mapping[str, Any]) -> None:
         super().load_own_variables(store)
         self.num_releases = max(self.num_releases, int(self.releases.numpy()))
         self._has_mean = self.num_releases > 0
 
-    def adapt(self, features, user_ids=None):
+    def adapt(self, features: ArrayLike, user_ids: ArrayLike | None = None) -> None:
         """Release the DP mean of ``features`` (``[N, d]``), one more release.
 
         ``user_ids`` (``[N]``): the privacy unit is a user; each user's unit
@@ -252,7 +261,7 @@ class DPFeatureNormalization(keras.layers.Layer):
             return None
         return np.random.SeedSequence(self.seed, spawn_key=(index,))
 
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         for called in getattr(_CALLS, "collectors", ()):
             if all(layer is not self for layer in called):
                 called.append(self)
@@ -268,10 +277,10 @@ class DPFeatureNormalization(keras.layers.Layer):
         mean = ops.cast(self.mean, self.compute_dtype)
         return self.norm * unit(unit(x) - mean)
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         return input_shape
 
-    def dp_event(self):
+    def dp_event(self) -> dp_accounting.DpEvent:
         """The ``dp_accounting`` event of every release (the planned one before
         the first ``adapt``): ``GaussianDpEvent(noise_multiplier /
         release_sensitivity())`` per release (the noised sum and count)."""
@@ -279,7 +288,7 @@ class DPFeatureNormalization(keras.layers.Layer):
         count = max(self.num_releases, 1)
         return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update(norm=self.norm, noise_multiplier=self.noise_multiplier,
                       seed=self.seed, num_releases=self.num_releases,

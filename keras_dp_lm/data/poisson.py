@@ -78,7 +78,11 @@ Raw strings through a KerasHub preprocessor, tokenized per drawn batch:
     0.0
 """
 
+from __future__ import annotations
+
 import numbers
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -176,9 +180,11 @@ def _padding_like(leaf, size):
 
 
 
-def iter_poisson_batches(data, sampling_rate, max_batch_size, seed=None,
-                         num_steps=None, overflow="raise", rng=None, padding="max",
-                         bucket_ratio=1.15):
+def iter_poisson_batches(data: Sequence[Any] | np.ndarray | tf.data.Dataset, sampling_rate: float,
+                         max_batch_size: int, seed: int | None = None, num_steps: int | None = None,
+                         overflow: str = "raise", rng: np.random.Generator | None = None,
+                         padding: str = "max",
+                         bucket_ratio: float = 1.15) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
     """NumPy generator behind :func:`poisson_batches` (same arguments).
 
     ``data``: ``(x, y)`` or ``(x, y, sample_weight)`` arrays with N rows (or a
@@ -313,9 +319,11 @@ def _check_rows(structure, size):
     return checks
 
 
-def poisson_batches(dataset_or_arrays, sampling_rate, max_batch_size, seed=None,
-                    num_steps=None, overflow="raise", padding="bucket", bucket_ratio=1.15,
-                    preprocessor=None):
+def poisson_batches(dataset_or_arrays: Sequence[Any] | np.ndarray | tf.data.Dataset,
+                    sampling_rate: float, max_batch_size: int, seed: int | None = None,
+                    num_steps: int | None = None, overflow: str = "raise", padding: str = "bucket",
+                    bucket_ratio: float = 1.15,
+                    preprocessor: Callable[..., Any] | None = None) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of Poisson-sampled, padded batches.
 
     Each step includes every example independently with probability

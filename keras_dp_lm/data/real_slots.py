@@ -6,15 +6,23 @@ marks out with :func:`split_real_slots` and owns them: padding slots get a
 loss of exactly zero.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 REAL_SLOTS_KEY = "keras_dp_lm_real_slots"
 SAMPLING_RATE_KEY = "keras_dp_lm_sampling_rate"
 SAMPLE_WEIGHT_KEY = "sample_weight"
 
 
-def attach_real_slots(sample_weight, real_slots, sampling_rate=None):
+def attach_real_slots(sample_weight: Any, real_slots: ArrayLike | tf.Tensor,
+                      sampling_rate: float | ArrayLike | tf.Tensor | None = None) -> dict[str, Any]:
     """Mark which slots of a padded batch are real examples.
 
     ``real_slots``: ``[B]`` mask, 1 for a real example and 0 for a padding slot.
@@ -57,7 +65,7 @@ def _rate_per_row(rate, real_slots):
     return np.full(np.shape(real_slots)[:1], float(rate), np.float64)
 
 
-def split_real_slots(sample_weight):
+def split_real_slots(sample_weight: Any) -> tuple[Any, Any, Any]:
     """``(real_slots, sampling_rate, sample_weight)`` of a marked ``sample_weight``.
 
     An unmarked ``sample_weight`` gives ``(None, None, sample_weight)``.

@@ -30,6 +30,11 @@ number of users ``U_b`` is padded to a few buckets like
 :func:`~keras_dp_lm.data.poisson_batches`.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import tensorflow as tf
 
@@ -42,6 +47,9 @@ from keras_dp_lm.data.draws import _warn_overflow
 from keras_dp_lm.data.poisson import _finish_batch
 from keras_dp_lm.data.poisson import _flatten_examples
 from keras_dp_lm.data.poisson import _gather_masked
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 
 def _user_rows(user_ids, n):
@@ -82,10 +90,13 @@ def _round_up(size, multiple):
     return -(-size // multiple) * multiple
 
 
-def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
-                         examples_per_user, seed=None, num_steps=None, overflow="raise",
-                         padding="bucket", bucket_ratio=1.15, preprocessor=None,
-                         num_replicas=1):
+def poisson_user_batches(dataset_or_arrays: Sequence[Any] | np.ndarray | tf.data.Dataset,
+                         user_ids: ArrayLike, sampling_rate: float, max_users: int,
+                         examples_per_user: int, seed: int | None = None,
+                         num_steps: int | None = None, overflow: str = "raise",
+                         padding: str = "bucket", bucket_ratio: float = 1.15,
+                         preprocessor: Callable[..., Any] | None = None,
+                         num_replicas: int = 1) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of Poisson-sampled USERS, for user-level DP training.
 
     Like :func:`~keras_dp_lm.data.poisson_batches`, but the unit sampled (and,
@@ -170,7 +181,7 @@ def poisson_user_batches(dataset_or_arrays, user_ids, sampling_rate, max_users,
     return dataset
 
 
-def records_per_user(user_ids):
+def records_per_user(user_ids: ArrayLike) -> np.ndarray:
     """Sorted record counts per user (to choose ``examples_per_user``):
     ``user_ids`` holds one id per record (any hashable, sortable values).
 

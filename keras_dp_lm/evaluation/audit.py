@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import scipy.special
@@ -10,8 +12,13 @@ import scipy.stats
 
 from keras_dp_lm.evaluation.scoring import as_log_likelihood_fn
 
+if TYPE_CHECKING:
+    import keras_hub
+    from numpy.typing import ArrayLike
 
-def audit_p_value(num_examples, num_guesses, num_correct, epsilon, delta=0.0):
+
+def audit_p_value(num_examples: int, num_guesses: int, num_correct: int, epsilon: float,
+                  delta: float = 0.0) -> float:
     """P-value of ``num_correct`` or more correct guesses under (eps, delta)-DP.
 
     The one-run audit's null hypothesis: the training algorithm is
@@ -44,8 +51,9 @@ def audit_p_value(num_examples, num_guesses, num_correct, epsilon, delta=0.0):
     return min(max(p, 0.0), 1.0)
 
 
-def audit_lower_bound(num_guesses, num_correct, confidence=0.95, delta=0.0,
-                      num_examples=None, tol=1e-6):
+def audit_lower_bound(num_guesses: int, num_correct: int, confidence: float = 0.95,
+                      delta: float = 0.0, num_examples: int | None = None,
+                      tol: float = 1e-6) -> float:
     """Epsilon lower bound from a one-run audit, valid with probability ``confidence``.
 
     The largest ``eps`` whose null hypothesis "(eps, delta)-DP" is rejected at level
@@ -119,12 +127,13 @@ class AuditResult:
     confidence: float
     delta: float
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def one_run_audit(scores, included_mask, k_plus, k_minus=None, confidence=0.95,
-                  delta=0.0):
+def one_run_audit(scores: ArrayLike, included_mask: ArrayLike, k_plus: int,
+                  k_minus: int | None = None, confidence: float = 0.95,
+                  delta: float = 0.0) -> AuditResult:
     """One-run privacy audit from per-canary membership scores.
 
     Args:
@@ -169,8 +178,11 @@ def one_run_audit(scores, included_mask, k_plus, k_minus=None, confidence=0.95,
         confidence=float(confidence), delta=float(delta))
 
 
-def membership_scores(causal_lm_or_fn, texts, reference=None, batch_size=64,
-                      sequence_length=None):
+def membership_scores(
+        causal_lm_or_fn: keras_hub.models.CausalLM | Callable[[list[str]], np.ndarray],
+        texts: Sequence[str],
+        reference: keras_hub.models.CausalLM | Callable[[list[str]], np.ndarray] | None = None,
+        batch_size: int = 64, sequence_length: int | None = None) -> np.ndarray:
     """Per-text membership score: log-likelihood under the model, minus that under
     ``reference`` (a model never trained on the texts) when given. Higher = more
     likely a training member. ``causal_lm_or_fn`` (and ``reference``): a KerasHub

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -26,7 +27,7 @@ class CanarySpace:
     def secret(self, index: int) -> str:
         return str(int(index)).zfill(self.num_digits)
 
-    def text(self, secret) -> str:
+    def text(self, secret: int | str) -> str:
         """The text for a secret given as an int index or a digit string."""
         if not isinstance(secret, str):
             secret = self.secret(secret)
@@ -34,11 +35,11 @@ class CanarySpace:
             raise ValueError(f"secret must be {self.num_digits} digits, got {secret!r}")
         return self.format.format(digits=self.digit_separator.join(secret))
 
-    def enumerate(self) -> list:
+    def enumerate(self) -> list[str]:
         """Every text of the space, in secret order (only for small spaces)."""
         return [self.text(i) for i in range(self.size)]
 
-    def sample(self, num, seed=None, exclude=()) -> list:
+    def sample(self, num: int, seed: int | None = None, exclude: Iterable[str] = ()) -> list[str]:
         """``num`` texts with uniformly random secrets (with replacement), never any
         text in ``exclude``; ``seed`` seeds NumPy's generator (None: fresh entropy)."""
         rng = np.random.default_rng(seed)
@@ -79,8 +80,8 @@ class Canary:
         return self.text
 
 
-def make_canaries(num, format="my ssn is {digits}", num_digits=6, seed=None,
-                  digit_separator=""):
+def make_canaries(num: int, format: str = "my ssn is {digits}", num_digits: int = 6,
+                  seed: int | None = None, digit_separator: str = "") -> list[Canary]:
     """``num`` canaries with distinct uniformly random secrets.
 
     Args:
@@ -109,7 +110,8 @@ def make_canaries(num, format="my ssn is {digits}", num_digits=6, seed=None,
     return [Canary(space.text(s), s, space) for s in secrets]
 
 
-def insert_canaries(texts, canaries, repetitions=1, seed=None):
+def insert_canaries(texts: Sequence[str], canaries: Sequence[Canary | str],
+                    repetitions: int | Sequence[int] = 1, seed: int | None = None) -> list[str]:
     """Return a new list: ``texts`` plus each canary as its own record, repeated.
 
     Args:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import scipy.special
@@ -12,6 +14,10 @@ import scipy.stats
 from keras_dp_lm.evaluation.canaries import Canary
 from keras_dp_lm.evaluation.canaries import CanarySpace
 from keras_dp_lm.evaluation.scoring import as_log_likelihood_fn
+
+if TYPE_CHECKING:
+    import keras_hub
+    from numpy.typing import ArrayLike
 
 
 @dataclasses.dataclass
@@ -37,16 +43,17 @@ class ExposureResult:
     fit_params: tuple | None = None
     capped: bool = False
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         if d["fit_params"] is not None:
             d["fit_params"] = [float(p) for p in d["fit_params"]]
         return d
 
 
-def exposure_from_log_perplexities(canary_log_perplexity, candidate_log_perplexities,
-                                   method="rank", space_size=None,
-                                   distribution="skewnorm"):
+def exposure_from_log_perplexities(canary_log_perplexity: float,
+                                   candidate_log_perplexities: ArrayLike, method: str = "rank",
+                                   space_size: int | None = None,
+                                   distribution: str = "skewnorm") -> ExposureResult:
     """Exposure from already computed log-perplexities (the math without a model).
 
     Args:
@@ -105,9 +112,11 @@ def exposure_from_log_perplexities(canary_log_perplexity, candidate_log_perplexi
         capped=capped)
 
 
-def exposure(causal_lm_or_logprob_fn, canary, candidates_or_space=None, method="auto",
-             num_samples=1000, max_enumerate=10_000, distribution="skewnorm", seed=0,
-             batch_size=64, sequence_length=None):
+def exposure(causal_lm_or_logprob_fn: keras_hub.models.CausalLM | Callable[[list[str]], np.ndarray],
+             canary: Canary | str, candidates_or_space: Sequence[str] | CanarySpace | None = None,
+             method: str = "auto", num_samples: int = 1000, max_enumerate: int = 10_000,
+             distribution: str = "skewnorm", seed: int | None = 0, batch_size: int = 64,
+             sequence_length: int | None = None) -> ExposureResult:
     """Exposure of ``canary`` (a :class:`Canary` or a string) under a model.
 
     Args:

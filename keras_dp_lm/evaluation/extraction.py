@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import keras_hub
 
 
 @dataclasses.dataclass
@@ -29,7 +34,7 @@ class ExtractionResult:
     token_accuracy: float
     examples: list
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -42,8 +47,10 @@ def _token_lists(tokenizer, texts):
     return [[int(i) for i in np.asarray(row).reshape(-1)] for row in out]
 
 
-def extraction_test(causal_lm, training_texts, prefix_tokens=8, suffix_tokens=8,
-                    max_examples=None, batch_size=32, seed=0, num_shown=5):
+def extraction_test(causal_lm: keras_hub.models.CausalLM, training_texts: Sequence[str],
+                    prefix_tokens: int = 8, suffix_tokens: int = 8, max_examples: int | None = None,
+                    batch_size: int = 32, seed: int | None = 0,
+                    num_shown: int = 5) -> ExtractionResult:
     """Prompt with training prefixes and check whether greedy decoding reproduces them.
 
     Every training text with at least ``prefix_tokens + suffix_tokens`` tokens gives one

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import keras_hub
 
-def sequence_log_likelihood(causal_lm, texts, batch_size=64, sequence_length=None,
-                            return_token_counts=False):
+
+def sequence_log_likelihood(
+        causal_lm: keras_hub.models.CausalLM, texts: str | Sequence[str], batch_size: int = 64,
+        sequence_length: int | None = None,
+        return_token_counts: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Log-likelihood (natural log, summed over tokens) of each text under a CausalLM.
 
     The model's own preprocessor tokenizes and packs the texts exactly as in training
@@ -46,7 +52,10 @@ def sequence_log_likelihood(causal_lm, texts, batch_size=64, sequence_length=Non
     return (ll, cnt) if return_token_counts else ll
 
 
-def as_log_likelihood_fn(causal_lm_or_fn, batch_size=64, sequence_length=None) -> Callable:
+def as_log_likelihood_fn(
+        causal_lm_or_fn: keras_hub.models.CausalLM | Callable[[list[str]], np.ndarray],
+        batch_size: int = 64,
+        sequence_length: int | None = None) -> Callable[[list[str]], np.ndarray]:
     """A function ``texts -> np.ndarray of log-likelihoods``.
 
     ``causal_lm_or_fn``: a KerasHub CausalLM (scored with

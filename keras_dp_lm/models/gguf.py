@@ -22,12 +22,21 @@ regular expression, whereas SmolLM2's tokenizer also splits digits one by one:
 numbers are segmented differently (still into valid tokens).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import os
+
+    import keras_hub
 
 _CONTROL = 3   # GGUF token type of special (control) tokens
 
 
-def unpermute_rotary_rows(weight, num_heads):
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head rotary row order of a ``[heads * head_dim, in]`` matrix.
 
     ``weight``: the query or key projection as read from the GGUF file;
@@ -61,23 +70,23 @@ class GGUFCheckpoint:
         ckpt.tensor("blk.0.attn_q.weight")   # float32 [576, 576], [out, in]
     """
 
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         gguf = _gguf()
         self.path = str(path)
         self._reader = gguf.GGUFReader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.architecture = self.field("general.architecture")
 
-    def field(self, key, default=None):
+    def field(self, key: str, default: Any = None) -> Any:
         """The metadata value under ``key`` (e.g. ``"llama.embedding_length"``: a
         str, number or list), or ``default`` if absent."""
         f = self._reader.fields.get(key)
         return default if f is None else f.contents()
 
-    def tensor_names(self):
+    def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def tensor(self, name):
+    def tensor(self, name: str) -> np.ndarray:
         """The tensor ``name`` dequantized to float32, in numpy (``[out, in]``) order."""
         gguf = _gguf()
         t = self._tensors.get(name)
@@ -87,7 +96,7 @@ class GGUFCheckpoint:
         shape = tuple(int(s) for s in reversed(t.shape))
         return np.asarray(data, np.float32).reshape(shape)
 
-    def backbone_config(self):
+    def backbone_config(self) -> dict[str, Any]:
         """``keras_hub.models.Llama3Backbone`` arguments of a llama-architecture file."""
         if self.architecture != "llama":
             raise ValueError(f"{self.path}: architecture {self.architecture!r}, only "
@@ -114,7 +123,8 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self._tensors,
         )
 
-    def tokenizer(self, start_token=None, end_token=None, **kwargs):
+    def tokenizer(self, start_token: str | None = None, end_token: str | None = None,
+                  **kwargs: Any) -> keras_hub.models.Llama3Tokenizer:
         """A ``keras_hub.models.Llama3Tokenizer`` with the file's BPE vocabulary and merges.
 
         The start / end tokens are the file's bos / eos unless ``start_token`` /
@@ -142,7 +152,8 @@ class GGUFCheckpoint:
             bos_token=bos, eos_token=eos, misc_special_tokens=special - {bos, eos},
             **kwargs)
 
-    def load_weights_into(self, backbone):
+    def load_weights_into(
+            self, backbone: keras_hub.models.Llama3Backbone) -> keras_hub.models.Llama3Backbone:
         """Assign every tensor of the file to ``backbone`` (a built ``Llama3Backbone``).
 
         Raises ``ValueError`` naming the first tensor whose shape does not fit.
@@ -206,8 +217,9 @@ def _gguf():
     return gguf
 
 
-def load_gguf_causal_lm(path, sequence_length=256, dtype=None, start_token=None,
-                        end_token=None):
+def load_gguf_causal_lm(path: str | os.PathLike[str], sequence_length: int = 256,
+                        dtype: str | None = None, start_token: str | None = None,
+                        end_token: str | None = None) -> keras_hub.models.Llama3CausalLM:
     """A ``keras_hub.models.Llama3CausalLM`` (weights, tokenizer, preprocessor) from a GGUF file.
 
     Args:

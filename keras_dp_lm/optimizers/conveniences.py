@@ -6,7 +6,10 @@ They take the inner optimizer's arguments (``learning_rate``, ``momentum``,
 argument names TensorFlow Privacy's ``DPKeras*Optimizer`` used.
 """
 
+from __future__ import annotations
+
 import inspect
+from typing import Any
 
 import keras
 
@@ -57,9 +60,11 @@ class _InnerOptimizerConvenience(DPOptimizer):
 
     _inner_class = None
 
-    def __init__(self, *args, l2_norm_clip=None, noise_multiplier=None,
-                 gradient_accumulation_steps=1, expected_batch_size=None, seed=None,
-                 clipping="auto", name=None, inner_optimizer=None, **kwargs):
+    def __init__(self, *args: Any, l2_norm_clip: float | None = None,
+                 noise_multiplier: float | None = None, gradient_accumulation_steps: int = 1,
+                 expected_batch_size: float | None = None, seed: int | None = None,
+                 clipping: str = "auto", name: str | None = None,
+                 inner_optimizer: keras.optimizers.Optimizer | None = None, **kwargs: Any) -> None:
         cls_name, inner_class = type(self).__name__, type(self)._inner_class
         missing = [arg for arg, value in (("l2_norm_clip", l2_norm_clip),
                                           ("noise_multiplier", noise_multiplier))
@@ -84,10 +89,10 @@ class _InnerOptimizerConvenience(DPOptimizer):
 
 
 # What the signature shows (help(), the API reference): the privacy arguments are
-# required; None above only lets the missing ones be named in one clear error.
+# required floats; None above only lets the missing ones be named in one clear error.
 _init = _InnerOptimizerConvenience.__init__
 _init.__signature__ = inspect.signature(_init).replace(parameters=[
-    p.replace(default=inspect.Parameter.empty)
+    p.replace(default=inspect.Parameter.empty, annotation="float")
     if p.name in ("l2_norm_clip", "noise_multiplier") else p
     for p in inspect.signature(_init).parameters.values()])
 

@@ -26,9 +26,13 @@ noise in the gradients it is about to apply (:class:`NoiseCorrectedAdam` uses
 it to take the noise out of Adam's second moment).
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -77,10 +81,11 @@ def _check_inner(optimizer):
             "one: a DP step accumulates micro-batches of one logical batch.")
 
 
-def _privacy_parameter(name, doc, field=None):
+def _privacy_parameter(name, doc, annotation, field=None):
     """A property reading ``field`` (default ``name``) of the optimizer's
     :class:`PrivacyParameters`; settable (validated) until the step freezes them.
-    ``doc`` says what the value is; the docstring adds when it can change."""
+    ``doc`` says what the value is; the docstring adds when it can change;
+    ``annotation`` is the value's type (the getter's and setter's annotations)."""
     field = field or name
 
     def get(self):
@@ -95,6 +100,8 @@ def _privacy_parameter(name, doc, field=None):
                 "build a new DP optimizer and compile again; the model's privacy "
                 "ledger (keras_dp_lm.ledger_of(model)) keeps counting every update.")
         self._privacy = self._privacy.with_values(**{field: value})
+    get.__annotations__.update({"return": annotation})
+    set_.__annotations__.update({"value": annotation, "return": "None"})
     return property(get, set_, doc=f"{doc}; settable (validated) until the DP step is "
                     "traced, then read-only.")
 
@@ -148,9 +155,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     is_dp_optimizer = True
 
-    def __init__(self, inner_optimizer, l2_norm_clip, noise_multiplier,
-                 gradient_accumulation_steps=1, expected_batch_size=None, seed=None,
-                 clipping="auto", name=None, **kwargs):
+    def __init__(self, inner_optimizer: keras.optimizers.Optimizer, l2_norm_clip: float,
+                 noise_multiplier: float, gradient_accumulation_steps: int = 1,
+                 expected_batch_size: float | None = None, seed: int | None = None,
+                 clipping: str = "auto", name: str | None = None, **kwargs: Any) -> None:
         for key, default in _BASE_DEFAULTS.items():  # tolerated from old configs only
             if key in kwargs and kwargs.pop(key) not in (default, None):
                 raise ValueError(
@@ -183,54 +191,56 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._track_variable(self.dp_last_batch_size)
 
     l2_norm_clip = _privacy_parameter(
-        "l2_norm_clip", "C, the bound on each example's (or user's) gradient L2 norm")
+        "l2_norm_clip", "C, the bound on each example's (or user's) gradient L2 norm",
+        "float")
     noise_multiplier = _privacy_parameter(
         "noise_multiplier", "sigma: the summed clipped gradient gets Gaussian noise of "
-        "std ``sigma * l2_norm_clip``")
+        "std ``sigma * l2_norm_clip``", "float")
     dp_accumulation_steps = _privacy_parameter(
         "dp_accumulation_steps", "k, the micro-batches of one logical batch (the "
-        "``gradient_accumulation_steps`` argument)", "accumulation_steps")
+        "``gradient_accumulation_steps`` argument)", "int", "accumulation_steps")
     expected_batch_size = _privacy_parameter(
         "expected_batch_size", "The divisor of the noised sum (``q * N`` for Poisson "
-        "batches), or None to divide by the batch's example count")
+        "batches), or None to divide by the batch's example count", "float | None")
     clipping = _privacy_parameter(
         "clipping", 'The per-example clipping method: ``"auto"``, ``"fast"`` or '
-        '``"exact"``')
+        '``"exact"``', "str")
 
     @property
-    def privacy_parameters(self):
+    def privacy_parameters(self) -> PrivacyParameters:
         """The :class:`~keras_dp_lm.optimizers.PrivacyParameters` of the next update."""
         return self._privacy
 
-    def freeze_privacy_parameters(self):
+    def freeze_privacy_parameters(self) -> PrivacyParameters:
         """Make the privacy parameters read-only and return them (the DP step calls
         this once per trace and reads every privacy value from what it returns)."""
         self._privacy_frozen = True
         return self._privacy
 
     # -- delegation to the inner optimizer -----------------------------------
-    def build(self, var_list):
+    def build(self, var_list: list[keras.Variable]) -> None:
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         return self._variables + self.inner_optimizer.variables
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> keras.Variable | tf.Tensor:
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, learning_rate):
+    def learning_rate(
+            self, learning_rate: float | keras.optimizers.schedules.LearningRateSchedule) -> None:
         if "inner_optimizer" in self.__dict__:  # the base __init__ sets 0.0 first
             self.inner_optimizer.learning_rate = learning_rate
 
     @property
-    def iterations(self):
+    def iterations(self) -> keras.Variable:
         return self.inner_optimizer.iterations
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: list[keras.Variable]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- fail closed -----------------------------------------------------------
@@ -243,7 +253,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         finally:
             self._apply_guard.depth = depth
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads: Sequence[tf.Tensor],
+              trainable_variables: Sequence[keras.Variable] | None = None) -> None:
         if not getattr(self._apply_guard, "depth", 0):
             raise RuntimeError(
                 f"{type(self).__name__} refuses gradients that did not come through "
@@ -254,7 +265,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.apply(grads, trainable_variables)
 
     # -- noise -----------------------------------------------------------------
-    def drop_noise_seed(self):
+    def drop_noise_seed(self) -> None:
         """Forget the noise seed. Whoever holds this optimizer object can otherwise
         regenerate every noise draw it added and subtract it from the model's
         weights and Adam's moments: drop it before the object (not a saved file,
@@ -356,7 +367,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return grads
 
     # -- serialization ---------------------------------------------------------
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -369,14 +380,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict[str, Any],
+                    custom_objects: dict[str, Any] | None = None) -> DPOptimizer:
         config = dict(config)
         config["inner_optimizer"] = keras.saving.deserialize_keras_object(
             config["inner_optimizer"], custom_objects=custom_objects)
         return cls(**config)
 
 
-def is_dp_optimizer(optimizer):
+def is_dp_optimizer(optimizer: object) -> bool:
     """True when ``optimizer`` is a keras_dp_lm DP optimizer.
 
     Example:
@@ -390,9 +402,11 @@ def is_dp_optimizer(optimizer):
     return getattr(type(optimizer), "_keras_dp_lm_dp_optimizer", False) is True
 
 
-def make_dp_optimizer(optimizer, l2_norm_clip, noise_multiplier,
-                      gradient_accumulation_steps=1, expected_batch_size=None,
-                      seed=None, clipping="auto"):
+def make_dp_optimizer(optimizer: keras.optimizers.Optimizer | type[keras.optimizers.Optimizer],
+                      l2_norm_clip: float, noise_multiplier: float,
+                      gradient_accumulation_steps: int = 1,
+                      expected_batch_size: float | None = None, seed: int | None = None,
+                      clipping: str = "auto") -> DPOptimizer:
     """Turn any Keras optimizer (instance or class) into a :class:`DPOptimizer`.
 
     A class is instantiated with its defaults. The other arguments are

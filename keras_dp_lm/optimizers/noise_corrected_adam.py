@@ -25,10 +25,17 @@ has std ``sqrt(phi (1 - beta_1) / (1 + beta_1))`` (0.23 ``sqrt(phi)`` at
 rate.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import keras
 from keras import ops
 
 from keras_dp_lm.optimizers.privacy_parameters import _check_number
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 def _beta(name, value):
@@ -67,8 +74,11 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
         array([-0.115, -0.063], dtype=float32)
     """
 
-    def __init__(self, learning_rate=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 floor_ratio=0.1, name="noise_corrected_adam", **kwargs):
+    def __init__(self,
+                 learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 1e-3,
+                 beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7,
+                 floor_ratio: float = 0.1, name: str = "noise_corrected_adam",
+                 **kwargs: Any) -> None:
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = _beta("beta_1", beta_1)
         self.beta_2 = _beta("beta_2", beta_2)
@@ -81,14 +91,14 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
                 aggregation="only_first_replica")
         self._track_variable(self.dp_noise_variance)
 
-    def set_dp_noise_variance(self, variance):
+    def set_dp_noise_variance(self, variance: float | tf.Tensor) -> None:
         """Set ``phi``, the per-coordinate variance of the noise in the gradients
         of the next update (called by the DP optimizer that wraps this one)."""
         if isinstance(variance, (int, float)):
             _check_number("variance", variance, allow_zero=True)
         self.dp_noise_variance.assign(ops.cast(variance, "float32"))
 
-    def build(self, var_list):
+    def build(self, var_list: list[keras.Variable]) -> None:
         if self.built:
             return
         low = [v.path for v in var_list if v.dtype in ("float16", "bfloat16")]
@@ -103,7 +113,8 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
         self._second_moments = [self.add_variable_from_reference(v, "velocity")
                                 for v in var_list]
 
-    def update_step(self, gradient, variable, learning_rate):
+    def update_step(self, gradient: tf.Tensor, variable: keras.Variable,
+                    learning_rate: float | tf.Tensor) -> None:
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)
         gradient = ops.cast(gradient, dtype)
@@ -120,7 +131,7 @@ class NoiseCorrectedAdam(keras.optimizers.Optimizer):
         self.assign_sub(variable, ops.divide(ops.multiply(lr, m_hat),
                                              ops.add(ops.sqrt(corrected), self.epsilon)))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update({"beta_1": self.beta_1, "beta_2": self.beta_2,
                        "epsilon": self.epsilon, "floor_ratio": self.floor_ratio})

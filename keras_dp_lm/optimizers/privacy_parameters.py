@@ -9,8 +9,11 @@ afterwards, so what the accountant counts and what the step applies are the
 same numbers by construction, not by keeping copies equal.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
+from typing import Any
 
 CLIPPING_METHODS = ("auto", "fast", "exact")
 
@@ -61,7 +64,7 @@ class PrivacyParameters:
     l2_norm_clip: float
     noise_multiplier: float
     accumulation_steps: int = 1
-    expected_batch_size: float = None
+    expected_batch_size: float | None = None
     clipping: str = "auto"
 
     def __post_init__(self):
@@ -80,15 +83,15 @@ class PrivacyParameters:
                 f"`clipping` must be one of {CLIPPING_METHODS}, got {self.clipping!r}.")
 
     @property
-    def noise_std(self):
+    def noise_std(self) -> float:
         """``sigma * C``: the std of the noise on the summed clipped gradient."""
         return self.noise_multiplier * self.l2_norm_clip
 
-    def noise_std_per_replica(self, num_replicas):
+    def noise_std_per_replica(self, num_replicas: int) -> float:
         """The std each of ``num_replicas`` replicas draws so that the sum has
         :attr:`noise_std` (independent draws add in variance)."""
         return self.noise_std / math.sqrt(num_replicas)
 
-    def with_values(self, **changes):
+    def with_values(self, **changes: Any) -> PrivacyParameters:
         """A copy with ``changes`` applied, validated like a new one."""
         return dataclasses.replace(self, **changes)

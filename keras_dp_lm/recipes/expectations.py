@@ -7,6 +7,8 @@ a DP head on frozen MiniLM features, the README's path) and
 with those files.
 """
 
+from __future__ import annotations
+
 __all__ = ["SMALL_DATA_UNITS_PER_CLASS", "data_regime"]
 
 # Below this many privacy units per class a DP head's gap to non-private grew on the
@@ -14,7 +16,7 @@ __all__ = ["SMALL_DATA_UNITS_PER_CLASS", "data_regime"]
 SMALL_DATA_UNITS_PER_CLASS = 400
 
 
-def data_regime(n, num_classes):
+def data_regime(n: int, num_classes: int) -> str:
     """The :meth:`DPRecipe.explain` line on what a DP head's data per class leads
     one to expect, from the utility suite's measurements.
 

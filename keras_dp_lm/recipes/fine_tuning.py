@@ -1,15 +1,28 @@
 """Hyperparameters for DP fine-tuning: the rules of :mod:`keras_dp_lm.recipes`."""
 
+from __future__ import annotations
+
 import dataclasses
 import math
 import numbers
 import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from keras_dp_lm.accounting import calibration
 from keras_dp_lm.accounting import epsilon as epsilon_lib
 from keras_dp_lm.accounting.events import dp_sgd_event
 from keras_dp_lm.accounting.overflow import suggest_max_batch_size
 from keras_dp_lm.recipes.expectations import data_regime
+
+if TYPE_CHECKING:
+    import dp_accounting
+    import numpy as np
+    import tensorflow as tf
+    from numpy.typing import ArrayLike
+
+    from keras_dp_lm.callbacks import PrivacyAccountant
+    from keras_dp_lm.optimizers import DPOptimizer
 
 __all__ = ["DPRecipe", "NoiseDominatedWarning", "suggest_recipe"]
 
@@ -77,19 +90,19 @@ class DPRecipe:
     epsilon: float
     training_epsilon: float
     training_delta: float
-    extra_events: tuple = ()
-    reasons: tuple = ()
+    extra_events: tuple[dp_accounting.DpEvent | tuple[float, float], ...] = ()
+    reasons: tuple[str, ...] = ()
     overflow_probability: float = 0.0
     noise_learning_rate_factor: float = 1.0
     trainable: str = "pretrained"
-    noise_to_signal: float = None
+    noise_to_signal: float | None = None
 
     @property
-    def epochs(self):
+    def epochs(self) -> float:
         """Expected passes over the data, ``q * steps``."""
         return self.sampling_rate * self.steps
 
-    def explain(self):
+    def explain(self) -> str:
         """The choices and their reasons, one per line."""
         head = (f"DP recipe for N={self.dataset_size}, epsilon={self.target_epsilon:g}, "
                 f"delta={self.delta:g}: batch {self.batch_size} (q={self.sampling_rate:.4g}), "
@@ -99,7 +112,7 @@ class DPRecipe:
                 f"spends epsilon {self.epsilon:.3f}.")
         return "\n".join((head,) + tuple(f"- {r}" for r in self.reasons))
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (extra events as strings)."""
         out = dataclasses.asdict(self)
         out["extra_events"] = [str(e) for e in self.extra_events]
@@ -107,7 +120,7 @@ class DPRecipe:
         out["epochs"] = self.epochs
         return out
 
-    def optimizer(self, name="adam", seed=None, **kwargs):
+    def optimizer(self, name: str = "adam", seed: int | None = None, **kwargs: Any) -> DPOptimizer:
         """A DP optimizer built from the recipe (``"adam"``, ``"adamw"`` or ``"adambc"``).
 
         ``name`` picks the class (default ``"adam"``: :class:`~keras_dp_lm.optimizers.DPAdam`);
@@ -136,7 +149,8 @@ class DPRecipe:
             gradient_accumulation_steps=self.gradient_accumulation_steps, seed=seed,
             **kwargs)
 
-    def poisson_batches(self, data, seed=None, **kwargs):
+    def poisson_batches(self, data: Sequence[Any] | np.ndarray | tf.data.Dataset,
+                        seed: int | None = None, **kwargs: Any) -> tf.data.Dataset:
         """:func:`keras_dp_lm.data.poisson_batches` at the recipe's rate and steps,
         padded to at most :meth:`max_batch_size`. ``seed``: None (the default)
         draws from OS entropy; a fixed seed is for tests. ``kwargs`` go to
@@ -147,7 +161,9 @@ class DPRecipe:
         return data_lib.poisson_batches(data, self.sampling_rate, cap, seed=seed,
                                         num_steps=self.steps, **kwargs)
 
-    def poisson_user_batches(self, data, user_ids, examples_per_user, seed=None, **kwargs):
+    def poisson_user_batches(self, data: Sequence[Any] | np.ndarray | tf.data.Dataset,
+                             user_ids: ArrayLike, examples_per_user: int, seed: int | None = None,
+                             **kwargs: Any) -> tf.data.Dataset:
         """:func:`keras_dp_lm.data.poisson_user_batches` at the recipe's rate and
         steps, for a recipe made with ``dataset_size`` = the number of users.
         ``user_ids``: one id per record of ``data``; ``examples_per_user``: k, the
@@ -167,13 +183,14 @@ class DPRecipe:
                 "dataset_size=<number of users>.")
         return dataset
 
-    def max_batch_size(self):
+    def max_batch_size(self) -> int:
         """Padded batch cap: a draw above it over the whole run has probability at
         most ``overflow_probability``, whose delta the recipe reserved."""
         return suggest_max_batch_size(self.dataset_size, self.sampling_rate, self.steps,
                                       max_overflow_probability=self.overflow_probability)
 
-    def accountant(self, batches=None, **kwargs):
+    def accountant(self, batches: tf.data.Dataset | None = None,
+                   **kwargs: Any) -> PrivacyAccountant:
         """A :class:`~keras_dp_lm.callbacks.PrivacyAccountant` that stops at the recipe's
         training epsilon and composes the extra events into its report. Pass
         ``extra_events=[]`` when the model's ledger already holds them (earlier
@@ -225,13 +242,16 @@ def _extra_delta(events):
     return sum(float(e[1]) for e in events if isinstance(e, (tuple, list)))
 
 
-def suggest_recipe(dataset_size, target_epsilon, delta=None, *, epochs=3.0, min_steps=100,
-                   max_batch_size=4096, micro_batch_size=None, learning_rate=1e-3,
-                   reference_batch_size=32, max_learning_rate_scale=8.0,
-                   num_parameters=None, gradient_alignment=0.25,
-                   max_noise_learning_rate_scale=16.0, l2_norm_clip=0.1, extra_events=(),
-                   batch_size=None, steps=None, trainable="pretrained",
-                   head_displacement=HEAD_DISPLACEMENT, num_classes=None):
+def suggest_recipe(dataset_size: int, target_epsilon: float, delta: float | None = None, *,
+                   epochs: float = 3.0, min_steps: int = 100, max_batch_size: int = 4096,
+                   micro_batch_size: int | None = None, learning_rate: float = 1e-3,
+                   reference_batch_size: int = 32, max_learning_rate_scale: float = 8.0,
+                   num_parameters: int | None = None, gradient_alignment: float = 0.25,
+                   max_noise_learning_rate_scale: float = 16.0, l2_norm_clip: float = 0.1,
+                   extra_events: Sequence[dp_accounting.DpEvent | tuple[float, float]] = (),
+                   batch_size: int | None = None, steps: int | None = None,
+                   trainable: str = "pretrained", head_displacement: float = HEAD_DISPLACEMENT,
+                   num_classes: int | None = None) -> DPRecipe:
     """Propose DP fine-tuning hyperparameters by the rules of :mod:`keras_dp_lm.recipes`.
 
     Args:

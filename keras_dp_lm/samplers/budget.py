@@ -6,8 +6,12 @@ only) and ``(epsilon, delta)`` with an RDP ledger
 and :class:`DPSampler`).
 """
 
+from __future__ import annotations
+
 import math
 import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from keras import ops
@@ -18,6 +22,10 @@ from keras_dp_lm.samplers.epsilon import epsilon_per_token
 from keras_dp_lm.samplers.public_mixture import PublicMixtureSampler
 from keras_dp_lm.samplers.epsilon import num_sampled_tokens
 from keras_dp_lm.samplers.epsilon import vocabulary_size_of
+
+if TYPE_CHECKING:
+    import keras_hub
+    from numpy.typing import ArrayLike
 
 
 class BudgetExhaustedError(RuntimeError):
@@ -83,7 +91,8 @@ class DecodingBudget:
 
     _RELATIVE_SLACK = 1e-12
 
-    def __init__(self, total_epsilon, delta=None, orders=None):
+    def __init__(self, total_epsilon: float, delta: float | None = None,
+                 orders: Sequence[float] | None = None) -> None:
         if isinstance(total_epsilon, bool) or not isinstance(
                 total_epsilon, (int, float, np.floating, np.integer)) \
                 or not math.isfinite(float(total_epsilon)) or float(total_epsilon) < 0:
@@ -105,12 +114,12 @@ class DecodingBudget:
         self._traced = weakref.WeakKeyDictionary()
 
     @property
-    def uses_rdp(self):
+    def uses_rdp(self) -> bool:
         """Whether this is an ``(epsilon, delta)`` budget with an RDP ledger."""
         return self.delta is not None
 
     @property
-    def rdp_spent(self):
+    def rdp_spent(self) -> np.ndarray:
         """The ledger: the summed RDP curve at :attr:`orders` (``(epsilon, delta)`` mode)."""
         self._require_rdp("rdp_spent")
         total = np.zeros(len(self.orders))
@@ -124,19 +133,19 @@ class DecodingBudget:
         return renyi.epsilon_for_rdp(self.orders, rdp, self.delta)[0]
 
     @property
-    def spent(self):
+    def spent(self) -> float:
         """Epsilon charged so far (at :attr:`delta` in ``(epsilon, delta)`` mode)."""
         if self.uses_rdp:
             return self._epsilon_of(self.rdp_spent)
         return math.fsum(self._charges)
 
     @property
-    def remaining(self):
+    def remaining(self) -> float:
         """Epsilon left (never negative)."""
         return max(self.total_epsilon - self.spent, 0.0)
 
     @property
-    def num_charges(self):
+    def num_charges(self) -> int:
         return len(self._rdp_charges) if self.uses_rdp else len(self._charges)
 
     def _require_rdp(self, what):
@@ -153,7 +162,7 @@ class DecodingBudget:
                 f"({len(self.orders)}). Received shape {rdp.shape}.")
         return rdp
 
-    def can_afford(self, epsilon):
+    def can_afford(self, epsilon: float) -> bool:
         """Whether :meth:`charge` of ``epsilon`` would succeed."""
         epsilon = self._check_epsilon(epsilon)
         if self.uses_rdp:
@@ -161,7 +170,7 @@ class DecodingBudget:
         new_total = math.fsum(self._charges + [epsilon])
         return new_total <= self.total_epsilon * (1.0 + self._RELATIVE_SLACK)
 
-    def can_afford_rdp(self, rdp):
+    def can_afford_rdp(self, rdp: ArrayLike) -> bool:
         """Whether :meth:`charge_rdp` of the curve ``rdp`` (one non-negative value
         per order of :attr:`orders`) would succeed."""
         self._require_rdp("can_afford_rdp")
@@ -169,7 +178,7 @@ class DecodingBudget:
         new_epsilon = self._epsilon_of(self.rdp_spent + rdp)
         return new_epsilon <= self.total_epsilon * (1.0 + self._RELATIVE_SLACK)
 
-    def charge_rdp(self, rdp):
+    def charge_rdp(self, rdp: ArrayLike) -> float:
         """Add the RDP curve ``rdp`` (one non-negative value per order of
         :attr:`orders`) to the ledger; raise
         :class:`BudgetExhaustedError` (charging nothing) if the ledger would then
@@ -187,7 +196,7 @@ class DecodingBudget:
         self._rdp_charges.append(rdp)
         return self.remaining
 
-    def charge(self, epsilon):
+    def charge(self, epsilon: float) -> float:
         """Record ``epsilon`` spent; raise :class:`BudgetExhaustedError` (charging
         nothing) if it would take the total past ``total_epsilon``. Returns the
         remaining epsilon. (In ``(epsilon, delta)`` mode a pure ``epsilon`` is charged
@@ -213,7 +222,9 @@ class DecodingBudget:
             raise ValueError(f"`epsilon` must be a finite number >= 0. Received: {epsilon!r}")
         return float(epsilon)
 
-    def rdp_for(self, causal_lm, prompts, max_length=None, composition="sequential"):
+    def rdp_for(self, causal_lm: keras_hub.models.CausalLM,
+                prompts: str | Sequence[str] | dict[str, Any], max_length: int | None = None,
+                composition: str = "sequential") -> np.ndarray:
         """The RDP curve (at :attr:`orders`) :meth:`generate` would charge
         (``(epsilon, delta)`` mode; charges nothing). ``causal_lm``, ``prompts``,
         ``max_length`` and ``composition`` as for :meth:`generate`: each
@@ -252,7 +263,9 @@ class DecodingBudget:
                 f"`composition` must be 'parallel' or 'sequential'. Received: {composition!r}")
         return sampler
 
-    def epsilon_for(self, causal_lm, prompts, max_length=None, composition="sequential"):
+    def epsilon_for(self, causal_lm: keras_hub.models.CausalLM,
+                    prompts: str | Sequence[str] | dict[str, Any], max_length: int | None = None,
+                    composition: str = "sequential") -> float:
         """What :meth:`generate` would charge for these arguments (charges nothing).
 
         ``causal_lm``, ``prompts``, ``max_length`` and ``composition`` as for
@@ -269,8 +282,9 @@ class DecodingBudget:
             return 0.0
         return math.fsum(per_sequence) if composition == "sequential" else max(per_sequence)
 
-    def generate(self, causal_lm, prompts, max_length=None, composition="sequential",
-                 **generate_kwargs):
+    def generate(self, causal_lm: keras_hub.models.CausalLM,
+                 prompts: str | Sequence[str] | dict[str, Any], max_length: int | None = None,
+                 composition: str = "sequential", **generate_kwargs: Any) -> Any:
         """Charge this call's epsilon, then ``causal_lm.generate(prompts, max_length, ...)``.
 
         ``causal_lm``: a KerasHub CausalLM compiled with a :class:`DPSampler` or
@@ -335,7 +349,7 @@ class DecodingBudget:
             causal_lm.generate_function = saved
             own["restored"] = saved
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         if not self.uses_rdp:
             return {"total_epsilon": self.total_epsilon, "charges": list(self._charges)}
         return {"total_epsilon": self.total_epsilon, "delta": self.delta,
@@ -343,7 +357,7 @@ class DecodingBudget:
                 "rdp_charges": [[float(x) for x in c] for c in self._rdp_charges]}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> DecodingBudget:
         budget = cls(config["total_epsilon"], delta=config.get("delta"),
                      orders=config.get("orders"))
         for epsilon in config.get("charges", []):

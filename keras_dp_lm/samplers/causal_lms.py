@@ -1,5 +1,9 @@
 """Checks on the KerasHub ``CausalLM`` models a sampler mixes: each is one, and
-they share one vocabulary (size, and the tokens when their tokenizers are loaded)."""
+they share one vocabulary (size, and the tokens when their tokenizers are loaded);
+and the stop-token test of a decoding loop over them (:func:`_any_equal`)."""
+
+from keras import ops
+
 
 def _check_causal_lm(model, name):
     backbone = getattr(model, "backbone", None)
@@ -42,3 +46,10 @@ def _check_same_vocabulary(models, names):
                 f"tokenizers of {reference[0]} and {name} differ (same size "
                 f"{sizes[0]}, different tokens).")
     return sizes[0]
+
+
+def _any_equal(inputs, values, padding_mask):
+    output = ops.equal(inputs, values[0])
+    for value in values[1:]:
+        output = ops.logical_or(output, ops.equal(inputs, value))
+    return ops.logical_and(output, padding_mask)

@@ -1,8 +1,11 @@
 """``DPSampler``: the KerasHub sampler that mixes the model with uniform noise."""
 
+from __future__ import annotations
+
 import fractions
 import math
 import os
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -13,6 +16,9 @@ from keras_dp_lm.samplers.epsilon import _check_lambda
 from keras_dp_lm.samplers.epsilon import epsilon_per_sequence
 from keras_dp_lm.samplers.epsilon import epsilon_per_token
 from keras_dp_lm.samplers.epsilon import vocabulary_size_of
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 _COIN_RANGE = 2 ** 62
 
@@ -29,6 +35,13 @@ def _coin_threshold_of(lambda_):
 def _entropy_seed():
     """A seed word from OS entropy (never Python's global ``random``)."""
     return int.from_bytes(os.urandom(8), "little") % _SEED_WORD_RANGE
+
+
+def _read_only(getter, annotation, doc=None):
+    """A read-only property of ``getter`` (a lambda) whose value has the type
+    ``annotation`` (the string a lambda cannot carry as its return annotation)."""
+    getter.__annotations__ = {"return": annotation}
+    return property(getter, doc=doc)
 
 
 def _check_temperature_and_seed(temperature, seed):
@@ -110,7 +123,8 @@ class DPSampler(Sampler):
         (1,)
     """
 
-    def __init__(self, lambda_, temperature=1.0, seed=None, **kwargs):
+    def __init__(self, lambda_: float, temperature: float = 1.0, seed: int | None = None,
+                 **kwargs: Any) -> None:
         lambda_ = _check_lambda(lambda_)
         _check_temperature_and_seed(temperature, seed)
         super().__init__(temperature=float(temperature), **kwargs)
@@ -125,7 +139,7 @@ class DPSampler(Sampler):
         self.seed_generator = _seed_generator(self.seed)
 
     @property
-    def lambda_(self):
+    def lambda_(self) -> float:
         """The mixing weight; may be changed at any time (see the class notes).
 
         Setting it validates the value and assigns the coin threshold variable
@@ -136,7 +150,7 @@ class DPSampler(Sampler):
         return self._lambda
 
     @lambda_.setter
-    def lambda_(self, value):
+    def lambda_(self, value: float) -> None:
         value = _check_lambda(value)
         threshold = _coin_threshold_of(value)
         self._coin_threshold_variable.assign(np.int64(threshold))
@@ -144,12 +158,12 @@ class DPSampler(Sampler):
         self._coin_threshold = threshold
 
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         # KerasHub threads ``sampler.variables`` through stateless backends (JAX):
         # the coin threshold must be state there too, never a traced constant.
         return super().variables + [self._coin_threshold_variable]
 
-    def applied_lambda(self):
+    def applied_lambda(self) -> float:
         """The ``lambda_`` the sampler applies now, read back from its variable.
 
         Raises ``RuntimeError`` if the variable the traced code reads does not
@@ -166,13 +180,13 @@ class DPSampler(Sampler):
         return self._lambda
 
     # -- privacy -----------------------------------------------------------
-    def epsilon_per_token(self, vocabulary_size):
+    def epsilon_per_token(self, vocabulary_size: int) -> float:
         """Epsilon of one sampled token over a vocabulary of ``vocabulary_size``
         tokens (the model's ``|V|``), at the ``lambda_`` the (traced) sampler
         applies now."""
         return epsilon_per_token(self.applied_lambda(), vocabulary_size)
 
-    def epsilon_per_sequence(self, vocabulary_size, num_tokens):
+    def epsilon_per_sequence(self, vocabulary_size: int, num_tokens: int) -> float:
         """Epsilon of ``num_tokens`` sampled tokens (charge the maximum new tokens)
         over a vocabulary of ``vocabulary_size`` tokens, at the ``lambda_`` the
         (traced) sampler applies now."""
@@ -180,7 +194,7 @@ class DPSampler(Sampler):
 
     # -- sampling ----------------------------------------------------------
     @property
-    def effective_lambda(self):
+    def effective_lambda(self) -> float:
         """The mixing weight actually used: ``floor(lambda_ * 2**62) / 2**62 <= lambda_``.
 
         The model-or-uniform coin is an exact integer comparison, so the
@@ -189,7 +203,7 @@ class DPSampler(Sampler):
         """
         return self._coin_threshold / _COIN_RANGE
 
-    def mixture_probabilities(self, logits):
+    def mixture_probabilities(self, logits: np.ndarray | tf.Tensor) -> tf.Tensor:
         """``q' = lambda_ * softmax(logits / temperature) + (1 - lambda_) / |V|``
         (float32): the distribution :meth:`get_next_token` samples from, for
         inspection and tests."""
@@ -199,7 +213,7 @@ class DPSampler(Sampler):
 
     # ``compute_probabilities`` is the base class's: q = softmax(logits / T).
 
-    def get_next_token(self, probabilities):
+    def get_next_token(self, probabilities: tf.Tensor) -> tf.Tensor:
         """Draw each row's token from ``lambda_ * q + (1 - lambda_) * uniform``.
 
         Per row: an integer coin picks the model branch with probability
@@ -251,7 +265,7 @@ class DPSampler(Sampler):
 
         return super().__call__(checked_next, prompt, *args, **kwargs)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update({"lambda_": self.lambda_, "seed": self.seed})
         return config

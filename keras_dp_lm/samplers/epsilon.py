@@ -3,9 +3,15 @@
 Plain arithmetic (no TensorFlow): see :mod:`keras_dp_lm.samplers` for the mechanism.
 """
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import keras_hub
 
 
 def _check_lambda(lambda_):
@@ -36,7 +42,7 @@ def _check_num_tokens(num_tokens):
     return int(num_tokens)
 
 
-def epsilon_per_token(lambda_, vocabulary_size):
+def epsilon_per_token(lambda_: float, vocabulary_size: int) -> float:
     """Pure-DP epsilon of one token sampled from ``lambda_*q + (1-lambda_)*u``.
 
     ``log((1 + (|V|-1)*lambda_) / (1 - lambda_))``, computed with ``log1p``
@@ -52,7 +58,7 @@ def epsilon_per_token(lambda_, vocabulary_size):
     return math.log1p((v - 1) * lambda_) - math.log1p(-lambda_)
 
 
-def epsilon_per_sequence(lambda_, vocabulary_size, num_tokens):
+def epsilon_per_sequence(lambda_: float, vocabulary_size: int, num_tokens: int) -> float:
     """Epsilon of ``num_tokens`` sampled tokens: ``num_tokens * epsilon_per_token``.
 
     ``num_tokens`` is the number of sampled positions; for ``generate`` use
@@ -67,7 +73,7 @@ def epsilon_per_sequence(lambda_, vocabulary_size, num_tokens):
     return _check_num_tokens(num_tokens) * epsilon_per_token(lambda_, vocabulary_size)
 
 
-def lambda_for_epsilon(epsilon, vocabulary_size, num_tokens):
+def lambda_for_epsilon(epsilon: float, vocabulary_size: int, num_tokens: int) -> float:
     """The largest ``lambda_`` whose ``num_tokens``-token sequences are ``epsilon``-DP.
 
     Solves ``num_tokens * eps_token(lambda_) = epsilon``:
@@ -102,7 +108,7 @@ def lambda_for_epsilon(epsilon, vocabulary_size, num_tokens):
     return lambda_
 
 
-def vocabulary_size_of(causal_lm):
+def vocabulary_size_of(causal_lm: keras_hub.models.CausalLM) -> int:
     """|V| for the mechanism: the size of the model's output (logits) dimension,
     read from ``causal_lm.backbone.vocabulary_size`` (a KerasHub CausalLM).
 
@@ -137,7 +143,7 @@ def vocabulary_size_of(causal_lm):
     return size
 
 
-def num_sampled_tokens(max_length, prompt_length):
+def num_sampled_tokens(max_length: int, prompt_length: int) -> int:
     """Positions ``generate`` samples for a prompt: ``max(max_length - prompt_length, 0)``.
 
     ``prompt_length`` counts every token the preprocessor puts before

@@ -12,12 +12,19 @@ token first); ``"windows"`` (``mixture_perplexity``'s default) feeds raw token w
 without a start token, which models trained with one find harder.
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from keras import ops
 
 from keras_dp_lm.samplers.epsilon import vocabulary_size_of
+
+if TYPE_CHECKING:
+    import keras_hub
 
 
 PACKINGS = ("windows", "preprocessor")
@@ -128,8 +135,11 @@ def _mixture_scorer(sampler, with_lambda):
     return run
 
 
-def mixture_perplexity(causal_lm, texts, lambdas, temperature=1.0, sequence_length=None,
-                       batch_size=8, max_tokens=None, packing="windows"):
+def mixture_perplexity(causal_lm: keras_hub.models.CausalLM, texts: str | Sequence[str],
+                       lambdas: Iterable[float], temperature: float = 1.0,
+                       sequence_length: int | None = None, batch_size: int = 8,
+                       max_tokens: int | None = None,
+                       packing: str = "windows") -> dict[float, float]:
     """Perplexity of held-out ``texts`` under ``q' = lambda_*q + (1-lambda_)*u``.
 
     Each text is tokenized whole (no start/end tokens), cut into windows of
@@ -194,10 +204,14 @@ def mixture_perplexity(causal_lm, texts, lambdas, temperature=1.0, sequence_leng
     return {l: math.exp(nll[l] / count) for l in lambdas}
 
 
-def public_mixture_perplexity(public_lm, private_lms, texts, balls, public_floor=1e-3,
-                              temperature=1.0, sequence_length=None, batch_size=8,
-                              max_tokens=None, packing="preprocessor",
-                              return_mean_lambda=False):
+def public_mixture_perplexity(
+        public_lm: keras_hub.models.CausalLM, private_lms: Sequence[keras_hub.models.CausalLM],
+        texts: str | Sequence[str], balls: Iterable[tuple[float, float]],
+        public_floor: float = 1e-3, temperature: float = 1.0, sequence_length: int | None = None,
+        batch_size: int = 8, max_tokens: int | None = None, packing: str = "preprocessor",
+        return_mean_lambda: bool = False,
+) -> (dict[tuple[float, float], float]
+      | tuple[dict[tuple[float, float], float], dict[tuple[float, float], float]]):
     """Held-out perplexity of ``texts`` under :class:`PublicMixtureSampler`'s distribution.
 
     For each ``(alpha, beta)`` in ``balls`` a ``PublicMixtureSampler(private_lms,

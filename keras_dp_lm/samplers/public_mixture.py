@@ -5,15 +5,13 @@ SubMix, Ginart et al. 2022) with its own, data-independent RDP analysis.
 
 Setting
 -------
-The private data set is split into ``N`` disjoint shards and one causal LM is
-fine-tuned on each (``N = 1`` allowed). A *public* causal LM (e.g. the
-pre-trained model the private ones started from) never sees private data.
-Neighbouring data sets differ in one record, which lies in at most one shard:
-they differ in at most one private model, arbitrarily. (This needs the shard of
-a record to depend on that record only, e.g. a hash of its user / record id: a
-split into ``N`` consecutive chunks of equal size is *not* valid under
-add/remove neighbours, since one insertion shifts every chunk.) The prompt and
-the public model are public.
+The private data set is split into ``N`` disjoint shards and one causal LM is fine-tuned on each
+(``N = 1`` allowed). A *public* causal LM (e.g. the pre-trained model the private ones started
+from) never sees private data. Neighbouring data sets differ in one record, which lies in at most
+one shard: they differ in at most one private model, arbitrarily. (This needs the shard of a record
+to depend on that record only, e.g. a hash of its user / record id: a split into ``N`` consecutive
+chunks of equal size is *not* valid under add/remove neighbours, since one insertion shifts every
+chunk.) The prompt and the public model are public.
 
 Mechanism (one sampled token, given the released prefix)
 --------------------------------------------------------
@@ -74,18 +72,16 @@ Write ``F_a(P, Q) = sum_x P(x)^a Q(x)^(1-a) = exp((a - 1) D_a(P || Q))``.
     dividing by ``a - 1`` gives the claim. (Nothing depends on ``lam_j`` except
     through the ball, which both ``p_hat_j`` and ``p_hat_j'`` satisfy; the ``lam_i``
     are not released.)
-(v) Realised distribution: every draw is an exact integer computation except
-    for the reductions of 62-bit uniform words modulo ``N`` and modulo a weight
-    total ``W < 2**33``: each outcome's probability is within a factor
-    ``1 +- N/2**62`` (model) and ``1 +- 2**-29`` (token) of the exact one, so the
-    realised ``q~`` satisfies ``lo q <= q~ <= hi q`` and
+(v) Realised distribution: every draw is an exact integer computation except for the reductions of
+    62-bit uniform words modulo ``N`` and modulo a weight total ``W < 2**33``: each outcome's
+    probability is within a factor ``1 +- N/2**62`` (model) and ``1 +- 2**-29`` (token) of the
+    exact one, so the realised ``q~`` satisfies ``lo q <= q~ <= hi q`` and
     ``D_a(q~ || q~') <= D_a(q || q') + a/(a-1) log hi - log lo``
-    (:func:`~keras_dp_lm.samplers.renyi.sampling_slack`, included in every
-    charge). ``lam_i`` is used as the exact dyadic ``floor(lam_i 2**62) / 2**62``.
+    (:func:`~keras_dp_lm.samplers.renyi.sampling_slack`, included in every charge). ``lam_i`` is
+    used as the exact dyadic ``floor(lam_i 2**62) / 2**62``.
 
-The bound is not loose: for ``N = 1`` brute force over small vocabularies
-attains it to within the ``1e-6`` margin (it is tight); for ``N > 1`` step (iv)
-costs a factor of about 2-3 (see the tests).
+The bound is not loose: for ``N = 1`` brute force over small vocabularies attains it to within the
+``1e-6`` margin (it is tight); for ``N > 1`` step (iv) costs a factor of about 2-3 (see the tests).
 
 Random subsets (PMixED samples ``m`` of the ``N`` models per token): the token
 from a uniformly random ``m``-subset's average has the *same* distribution as
@@ -110,28 +106,29 @@ Cost: every step runs the public and all ``N`` private models (each with its own
 KV cache) plus ``N`` bisections of 16 float64 steps over the vocabulary.
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import ops
+from keras_hub.models import CausalLM
 from keras_hub.samplers import Sampler
 
 from keras_dp_lm.samplers import renyi
 from keras_dp_lm.samplers.dp_sampler import _check_temperature_and_seed
+from keras_dp_lm.samplers.dp_sampler import _read_only
 from keras_dp_lm.samplers.dp_sampler import _seed_generator
+from keras_dp_lm.samplers.causal_lms import _any_equal
 from keras_dp_lm.samplers.causal_lms import _check_causal_lm
 from keras_dp_lm.samplers.causal_lms import _check_same_vocabulary
 
 _WORD_RANGE = 2 ** renyi.RANDOM_BITS
 _QUANT_SCALE = float(2 ** renyi.QUANT_BITS)
-
-
-def _any_equal(inputs, values, padding_mask):
-    output = ops.equal(inputs, values[0])
-    for value in values[1:]:
-        output = ops.logical_or(output, ops.equal(inputs, value))
-    return ops.logical_and(output, padding_mask)
 
 
 def _logsumexp(x):
@@ -142,11 +139,10 @@ def _logsumexp(x):
 class PublicMixtureSampler(Sampler):
     """KerasHub sampler: private models projected onto a Rényi ball around a public model.
 
-    Each token is drawn from ``(1/N) sum_i p_hat_i`` where ``p_hat_i`` is private
-    model ``i``'s next-token distribution pulled towards the public model's
-    until both Rényi divergences of the ball are ``<= beta`` (see
-    :mod:`keras_dp_lm.samplers.public_mixture` for the mechanism, the proof and
-    its residual risks). One token is ``(a, eps(a))``-RDP for ``a <= alpha``
+    Each token is drawn from ``(1/N) sum_i p_hat_i`` where ``p_hat_i`` is private model ``i``'s
+    next-token distribution pulled towards the public model's until both Rényi divergences of the
+    ball are ``<= beta`` (see :mod:`keras_dp_lm.samplers.public_mixture` for the mechanism, the
+    proof and its residual risks). One token is ``(a, eps(a))``-RDP for ``a <= alpha``
     (:meth:`rdp`); a sequence is charged with :meth:`epsilon_per_sequence` or a
     :class:`DecodingBudget` holding ``(total_epsilon, delta)``.
 
@@ -156,10 +152,9 @@ class PublicMixtureSampler(Sampler):
         public_lm.compile(sampler=PublicMixtureSampler([private_1, private_2], beta=0.1))
         public_lm.generate(["The patient"], max_length=40)
 
-    Inside ``generate`` (eager or ``jit_compile=True``) the sampler runs its own
-    decoding loop: the compiled model goes through KerasHub's ``next`` (its own
-    cache), every other model through its ``call_with_cache`` with a KV cache the
-    sampler builds from the prompt.
+    Inside ``generate`` (eager or ``jit_compile=True``) the sampler runs its own decoding loop: the
+    compiled model goes through KerasHub's ``next`` (its own cache), every other model through its
+    ``call_with_cache`` with a KV cache the sampler builds from the prompt.
 
     Args:
         private_models: list of ``N >= 1`` KerasHub causal LMs, each fine-tuned on
@@ -171,10 +166,9 @@ class PublicMixtureSampler(Sampler):
             orders up to ``alpha``.
         public_model: the public causal LM, or ``None`` (default): the model the
             sampler is compiled on is the public one.
-        public_floor: weight ``gamma`` in ``[0, 1)`` of the uniform distribution
-            mixed into the public one (default ``1e-3``): every token keeps public
-            probability ``>= gamma / V`` so private models can move mass onto it.
-            Public, so it does not change epsilon.
+        public_floor: weight ``gamma`` in ``[0, 1)`` of the uniform distribution mixed into the
+            public one (default ``1e-3``): every token keeps public probability ``>= gamma / V`` so
+            private models can move mass onto it. Public, so it does not change epsilon.
         temperature: positive; divides every model's logits.
         seed: int or ``None`` (OS entropy, like :class:`DPSampler`).
 
@@ -207,8 +201,9 @@ class PublicMixtureSampler(Sampler):
         (0.0963, [0.633, 0.182, 0.185])
     """
 
-    def __init__(self, private_models, beta, alpha=8.0, public_model=None,
-                 public_floor=1e-3, temperature=1.0, seed=None, **kwargs):
+    def __init__(self, private_models: Sequence[CausalLM], beta: float, alpha: float = 8.0,
+                 public_model: CausalLM | None = None, public_floor: float = 1e-3,
+                 temperature: float = 1.0, seed: int | None = None, **kwargs: Any) -> None:
         if isinstance(private_models, (list, tuple)):
             private_models = tuple(private_models)
         else:
@@ -244,25 +239,26 @@ class PublicMixtureSampler(Sampler):
         self.seed_generator = _seed_generator(self.seed)
 
     # -- read-only parameters ------------------------------------------------
-    beta = property(lambda self: self._beta, doc="The Rényi ball radius.")
-    alpha = property(lambda self: self._alpha, doc="The RDP order of the ball.")
-    public_floor = property(lambda self: self._public_floor,
-                            doc="Weight of the uniform distribution in the public one.")
-    private_models = property(lambda self: self._private_models,
-                              doc="The private models (a tuple).")
-    public_model = property(lambda self: self._public_model,
-                            doc="The public model, or None (the compiled model).")
-    num_models = property(lambda self: len(self._private_models),
-                          doc="N, the number of private models.")
-    vocabulary_size = property(lambda self: self._vocabulary_size)
+    beta = _read_only(lambda self: self._beta, "float", "The Rényi ball radius.")
+    alpha = _read_only(lambda self: self._alpha, "float", "The RDP order of the ball.")
+    public_floor = _read_only(lambda self: self._public_floor, "float",
+                              "Weight of the uniform distribution in the public one.")
+    private_models = _read_only(lambda self: self._private_models, "tuple[CausalLM, ...]",
+                                "The private models (a tuple).")
+    public_model = _read_only(lambda self: self._public_model, "CausalLM | None",
+                              "The public model, or None (the compiled model).")
+    num_models = _read_only(lambda self: len(self._private_models), "int",
+                            "N, the number of private models.")
+    vocabulary_size = _read_only(lambda self: self._vocabulary_size, "int")
 
     # -- privacy -------------------------------------------------------------
-    def rdp(self, orders=None):
+    def rdp(self, orders: Sequence[float] | None = None) -> np.ndarray:
         """Per-token RDP ``eps(a)`` at ``orders`` (default: dp_accounting's grid); ``inf``
         above ``alpha``."""
         return renyi.per_token_rdp(self._beta, self._alpha, self.num_models, orders)
 
-    def epsilon_per_sequence(self, num_tokens, delta, orders=None):
+    def epsilon_per_sequence(self, num_tokens: int, delta: float,
+                             orders: Sequence[float] | None = None) -> float:
         """Epsilon at ``delta`` of ``num_tokens`` sampled tokens (RDP summed over tokens
         at the RDP ``orders``, default ``renyi.DEFAULT_ORDERS``, converted with
         dp_accounting). Charge the maximum number of new tokens."""
@@ -338,14 +334,16 @@ class PublicMixtureSampler(Sampler):
             lam, _ = ops.fori_loop(0, renyi.BISECTION_STEPS, step, (lo, hi))
         return w0, w, lam
 
-    def projection_weights(self, public_logits, private_logits):
+    def projection_weights(self, public_logits: np.ndarray | tf.Tensor,
+                           private_logits: np.ndarray | tf.Tensor) -> tf.Tensor:
         """``lam_i`` per private model and row (float64, shape ``(N, batch)``): the
         exact weights the draws use.
 
         ``public_logits``: ``(batch, V)``; ``private_logits``: ``(N, batch, V)``."""
         return self._prepare(public_logits, private_logits)[2]
 
-    def mixture_probabilities(self, public_logits, private_logits):
+    def mixture_probabilities(self, public_logits: np.ndarray | tf.Tensor,
+                              private_logits: np.ndarray | tf.Tensor) -> tf.Tensor:
         """The distribution a token is drawn from, ``(1/N) sum_i p_hat_i`` (float64,
         ``(batch, V)``), for ``public_logits`` ``(batch, V)`` and ``private_logits``
         ``(N, batch, V)``, built from the integer weights the draw uses (up to the
@@ -356,7 +354,8 @@ class PublicMixtureSampler(Sampler):
         lam = lam[..., None]
         return ops.mean(lam * p + (1.0 - lam) * p0[None], axis=0)
 
-    def draw(self, public_logits, private_logits):
+    def draw(self, public_logits: np.ndarray | tf.Tensor,
+             private_logits: np.ndarray | tf.Tensor) -> tf.Tensor:
         """One token per row (int32, ``(batch,)``) from :meth:`mixture_probabilities` of
         ``public_logits`` and ``private_logits``, in integer arithmetic (module notes)."""
         w0, w, lam = self._prepare(public_logits, private_logits)
@@ -378,7 +377,7 @@ class PublicMixtureSampler(Sampler):
         token = ops.sum(ops.cast(cumulative <= u[:, None], "int32"), axis=-1)
         return token
 
-    def get_next_token(self, probabilities):
+    def get_next_token(self, probabilities: tf.Tensor) -> tf.Tensor:
         raise NotImplementedError(
             "PublicMixtureSampler draws from several models' logits: use `draw(public_logits, "
             "private_logits)`, or `causal_lm.generate` after `compile(sampler=...)`.")
@@ -463,7 +462,7 @@ class PublicMixtureSampler(Sampler):
         return prompt
 
     # -- serialization ---------------------------------------------------------
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Hyperparameters only: models (and their weights) are not part of a config."""
         config = super().get_config()
         config.update({"beta": self._beta, "alpha": self._alpha,
@@ -472,7 +471,8 @@ class PublicMixtureSampler(Sampler):
         return config
 
     @classmethod
-    def from_config(cls, config, private_models=None, public_model=None):
+    def from_config(cls, config: dict[str, Any], private_models: Sequence[CausalLM] | None = None,
+                    public_model: CausalLM | None = None) -> PublicMixtureSampler:
         """Rebuild from :meth:`get_config`; the models must be passed again:
         ``PublicMixtureSampler.from_config(config, private_models=[...], public_model=...)``."""
         config = dict(config)

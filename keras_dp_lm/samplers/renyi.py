@@ -22,10 +22,17 @@ Example (a ball radius for epsilon 8 per 64-token sequence at delta 1e-6, 4 mode
     (0.1137, True)
 """
 
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 # -- constants shared by the traced sampler and this reference ---------------
 
@@ -114,7 +121,7 @@ def ball_target(beta):
     return beta * (1.0 - RELATIVE_MARGIN) - ABSOLUTE_MARGIN
 
 
-def renyi_divergence(p, q, alpha):
+def renyi_divergence(p: ArrayLike, q: ArrayLike, alpha: float) -> np.ndarray:
     """``D_alpha(p || q) = log(sum p**alpha * q**(1 - alpha)) / (alpha - 1)``, float64.
 
     ``alpha > 1`` (``math.inf`` gives ``log max p / q``). Works on the last axis;
@@ -226,7 +233,8 @@ def sampling_slack(order, num_models):
     return order / (order - 1.0) * log_hi - log_lo
 
 
-def per_token_rdp(beta, alpha, num_models, orders=None):
+def per_token_rdp(beta: float, alpha: float, num_models: int,
+                  orders: Sequence[float] | None = None) -> np.ndarray:
     """The RDP curve ``eps(a)`` of one token of :class:`PublicMixtureSampler`.
 
     For orders ``1 < a <= alpha``::
@@ -274,7 +282,8 @@ def pure_dp_rdp(epsilon, orders=None):
     return np.minimum(epsilon, orders * epsilon ** 2 / 2.0)
 
 
-def epsilon_for_rdp(orders, rdp, delta):
+def epsilon_for_rdp(orders: Sequence[float] | None, rdp: ArrayLike,
+                    delta: float) -> tuple[float, float]:
     """``(epsilon, best_order)`` of an RDP curve at ``delta``, by dp_accounting's conversion.
 
     ``orders``: the RDP orders (each > 1; None: :data:`DEFAULT_ORDERS`); ``rdp``:
@@ -296,7 +305,8 @@ def epsilon_for_rdp(orders, rdp, delta):
     return float(epsilon), float(order)
 
 
-def sequence_epsilon(beta, alpha, num_models, num_tokens, delta, orders=None):
+def sequence_epsilon(beta: float, alpha: float, num_models: int, num_tokens: int, delta: float,
+                     orders: Sequence[float] | None = None) -> float:
     """Epsilon at ``delta`` of ``num_tokens`` tokens (RDP composed: ``num_tokens * eps(a)``).
 
     ``eps(a)`` is :func:`per_token_rdp` of a :class:`PublicMixtureSampler` with
@@ -318,7 +328,8 @@ def sequence_epsilon(beta, alpha, num_models, num_tokens, delta, orders=None):
     return epsilon_for_rdp(orders, rdp, delta)[0]
 
 
-def beta_for_epsilon(epsilon, delta, num_tokens, num_models=1, alpha=8.0, orders=None):
+def beta_for_epsilon(epsilon: float, delta: float, num_tokens: int, num_models: int = 1,
+                     alpha: float = 8.0, orders: Sequence[float] | None = None) -> float:
     """The largest ball radius ``beta`` whose ``num_tokens``-token sequences are (eps, delta)-DP.
 
     Bisection (``sequence_epsilon`` grows with ``beta``) to a relative 1e-9, returning
@@ -378,8 +389,9 @@ def _proxy_pair(vocabulary_size=256):
     return p, p0
 
 
-def ball_for_epsilon(epsilon, delta, num_tokens, num_models=1, alphas=BALL_ALPHAS,
-                     orders=None):
+def ball_for_epsilon(epsilon: float, delta: float, num_tokens: int, num_models: int = 1,
+                     alphas: Sequence[float] = BALL_ALPHAS,
+                     orders: Sequence[float] | None = None) -> tuple[float, float]:
     """``(alpha, beta)`` for a target ``(epsilon, delta)`` per ``num_tokens`` tokens.
 
     For each order in ``alphas`` that can reach ``epsilon``, ``beta`` is

@@ -1,51 +1,47 @@
 """``check_privacy``: test the DP step on *your* model, before you train it.
 
-For a model compiled with a keras_dp_lm DP optimizer and a few batches of its
-(preprocessed) training data, :func:`check_privacy`
+For a model compiled with a keras_dp_lm DP optimizer and a few batches of its (preprocessed)
+training data, :func:`check_privacy`
 
-(a) compares the DP step's per-example gradient norms and clipped sum with a
-    naive loop that differentiates each example's loss on its own (the
-    definition of per-example clipping);
-(b) measures neighbouring-batch sensitivity on a few units spread over the
-    batch (first, last and between: every micro-batch of an accumulated
-    step): the clipped sum without one example must move by at most ``C``
-    (add/remove adjacency, what the accountant assumes) and by exactly that
-    example's naive clipped gradient, and with one example replaced by an
-    adversarial one (inputs scaled by 1e3 or random token ids, other labels,
-    sample weight 1e9) by at most ``2 C``; these bounds hold to float32
-    rounding whatever ``tolerance`` says;
-(c) checks that padding slots (marked with
-    :func:`keras_dp_lm.data.attach_real_slots`) are inert: changing their
-    contents arbitrarily leaves the clipped sum bit-identical;
-(d) reports which variables run on fast clipping rules and which fall back to
-    exact per-example gradients (and why), and, for a model the DP step
-    refuses, the refusal (a pass: it happens before any update).
+(a) compares the DP step's per-example gradient norms and clipped sum with a naive loop that
+    differentiates each example's loss on its own (the definition of per-example clipping);
+(b) measures neighbouring-batch sensitivity on a few units spread over the batch (first, last and
+    between: every micro-batch of an accumulated step): the clipped sum without one example must
+    move by at most ``C`` (add/remove adjacency, what the accountant assumes) and by exactly that
+    example's naive clipped gradient, and with one example replaced by an adversarial one (inputs
+    scaled by 1e3 or random token ids, other labels, sample weight 1e9) by at most ``2 C``; these
+    bounds hold to float32 rounding whatever ``tolerance`` says;
+(c) checks that padding slots (marked with :func:`keras_dp_lm.data.attach_real_slots`) are inert:
+    changing their contents arbitrarily leaves the clipped sum bit-identical;
+(d) reports which variables run on fast clipping rules and which fall back to exact per-example
+    gradients (and why), and, for a model the DP step refuses, the refusal (a pass: it happens
+    before any update).
 
-With ``examples_per_user=k`` the same checks run at the user level, as the
-step trains on :func:`keras_dp_lm.data.poisson_user_batches`: rows
-``u*k .. u*k+k-1`` of a batch are user ``u``'s records; the naive loop
-differentiates each user's mean loss over its rows together; removing one
-user (all its rows) must move the clipped sum by at most ``C`` and
-replacing all its rows by at most ``2 C``; users with fewer than ``k``
-records (padding slots inside them) are compared and removed the same way;
-and a padding slot inside a real user, as well as whole padding users, must
+With ``examples_per_user=k`` the same checks run at the user level, as the step trains on
+:func:`keras_dp_lm.data.poisson_user_batches`: rows ``u*k .. u*k+k-1`` of a batch are user ``u``'s
+records; the naive loop differentiates each user's mean loss over its rows together; removing one
+user (all its rows) must move the clipped sum by at most ``C`` and replacing all its rows by at
+most ``2 C``; users with fewer than ``k`` records (padding slots inside them) are compared and
+removed the same way; and a padding slot inside a real user, as well as whole padding users, must
 be inert.
 
-Only a :class:`~keras_dp_lm.errors.PrivacyRefusalError` of the DP step on
-its first call is reported as a refusal (a pass: nothing was updated). An
-error the model itself (or its loss) raises fails the check: a model that
-raises for some batch sizes may run, unchecked, on others in ``fit``. A
-refusal on a later call (another batch size, padding) fails the check too:
-it could not finish.
+Only a :class:`~keras_dp_lm.errors.PrivacyRefusalError` of the DP step on its first call is
+reported as a refusal (a pass: nothing was updated). An error the model itself (or its loss) raises
+fails the check: a model that raises for some batch sizes may run, unchecked, on others in ``fit``.
+A refusal on a later call (another batch size, padding) fails the check too: it could not finish.
 
-Nothing is trained: the weights are never updated. The forward pass in
-training mode must be deterministic for (a) and (b) to be meaningful (set
-dropout to 0 for the check). Opacus's grad-sample tests and jax-privacy's
-auditing are the references.
+Nothing is trained: the weights are never updated. The forward pass in training mode must be
+deterministic for (a) and (b) to be meaningful (set dropout to 0 for the check). Opacus's
+grad-sample tests and jax-privacy's auditing are the references.
 """
 
-import dataclasses
+from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -109,8 +105,8 @@ class PrivacyCheckReport:
     model_name: str
     l2_norm_clip: float
     tolerance: float
-    examples_per_user: int = None
-    refused: str = None
+    examples_per_user: int | None = None
+    refused: str | None = None
     weights_unchanged: bool = True
     num_examples: int = 0
     num_users: int = 0
@@ -120,16 +116,16 @@ class PrivacyCheckReport:
     remove_one_ratio: float = 0.0
     replace_one_ratio: float = 0.0
     padding_inert: bool = True
-    coverage: dict = dataclasses.field(default_factory=dict)
-    exact_reasons: dict = dataclasses.field(default_factory=dict)
-    failures: list = dataclasses.field(default_factory=list)
+    coverage: dict[str, int] = dataclasses.field(default_factory=dict)
+    exact_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    failures: list[str] = dataclasses.field(default_factory=list)
 
     @property
-    def passed(self):
+    def passed(self) -> bool:
         return not self.failures
 
     @property
-    def privacy_unit(self):
+    def privacy_unit(self) -> str:
         """``"user"`` when checked with ``examples_per_user``, else ``"example"``."""
         return "example" if self.examples_per_user is None else "user"
 
@@ -240,8 +236,10 @@ def _slots(real, k):
     return real if k is None else real.reshape(-1, k)
 
 
-def check_privacy(model, batches, num_examples=None, adversarial_scale=1e3, tolerance=None,
-                  seed=0, raise_on_failure=False, examples_per_user=None):
+def check_privacy(model: keras.Model, batches: tuple[Any, ...] | Sequence[tuple[Any, ...]],
+                  num_examples: int | None = None, adversarial_scale: float = 1e3,
+                  tolerance: float | None = None, seed: int = 0, raise_on_failure: bool = False,
+                  examples_per_user: int | None = None) -> PrivacyCheckReport:
     """Check the DP step of ``model`` on a few batches; returns a :class:`PrivacyCheckReport`.
 
     Args:

@@ -1,8 +1,8 @@
 """Offline builders for tiny KerasHub language models (tests, examples, demos).
 
-Nothing here touches a model hub: tokenizers are trained on the spot from text
-(by default a little public-domain Shakespeare, or a built-in paragraph when
-the corpus has not been fetched), and models are randomly initialised.
+Nothing here touches a model hub: tokenizers are trained on the spot from text (by default a little
+public-domain Shakespeare, or a built-in paragraph when the corpus has not been fetched), and
+models are randomly initialised.
 
 - :func:`train_byte_level_bpe` learns a GPT-2 style byte-level BPE vocabulary
   and merge list that ``keras_hub.models.GPT2Tokenizer`` accepts.
@@ -20,11 +20,12 @@ Example:
     >>> lm.backbone.vocabulary_size == saved.backbone.vocabulary_size
     True
 
-Seeding: weights are initialised from ``seed`` inside a scope that saves and
-restores Python's ``random`` state and Keras's global seed generator, so
-building a tiny model never makes later unseeded randomness (for example DP
-noise drawn with ``seed=None``) predictable.
+Seeding: weights are initialised from ``seed`` inside a scope that saves and restores Python's
+``random`` state and Keras's global seed generator, so building a tiny model never makes later
+unseeded randomness (for example DP noise drawn with ``seed=None``) predictable.
 """
+
+from __future__ import annotations
 
 import collections
 import contextlib
@@ -32,9 +33,15 @@ import functools
 import heapq
 import io
 import random as _python_random
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import regex
+
+if TYPE_CHECKING:
+    import keras
+    import keras_hub
 
 __all__ = [
     "DEFAULT_TEXT",
@@ -94,7 +101,7 @@ _DEFAULT_CHARS = 400_000
 
 
 @functools.lru_cache(maxsize=None)
-def bytes_to_unicode():
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from the 256 byte values to printable characters.
 
     Returns a dict ``{byte_value (int): one-character str}``.
@@ -125,7 +132,7 @@ def _find_shakespeare():
     return None
 
 
-def default_texts(max_chars=_DEFAULT_CHARS):
+def default_texts(max_chars: int = _DEFAULT_CHARS) -> list[str]:
     """A list of public-domain texts for tiny models, found offline.
 
     A few Shakespeare plays (the first ``max_chars`` characters in all) when the
@@ -156,7 +163,9 @@ def _as_texts(texts):
     return texts
 
 
-def train_byte_level_bpe(texts, vocabulary_size, special_tokens=("<|endoftext|>",)):
+def train_byte_level_bpe(
+        texts: str | Sequence[str], vocabulary_size: int,
+        special_tokens: Sequence[str] = ("<|endoftext|>",)) -> tuple[dict[str, int], list[str]]:
     """Learn a GPT-2 style byte-level BPE tokenizer from ``texts``.
 
     Text is split with GPT-2's pre-tokenisation regex, each piece is encoded
@@ -261,16 +270,16 @@ def train_byte_level_bpe(texts, vocabulary_size, special_tokens=("<|endoftext|>"
     return vocabulary, merges
 
 
-def train_sentencepiece(texts, vocabulary_size, model_type="unigram", seed=0):
+def train_sentencepiece(texts: str | Sequence[str], vocabulary_size: int,
+                        model_type: str = "unigram", seed: int = 0) -> bytes:
     """Train a SentencePiece model in memory; returns the serialized proto bytes.
 
-    Ids 0/1/2 are ``<unk>``/``<s>``/``</s>`` (what ``LlamaTokenizer`` expects).
-    Byte fallback is on and normalisation is off (``identity``, whitespace
-    kept), so any text not starting with a space round-trips exactly. Lines of ``texts`` are the
-    training sentences. ``vocabulary_size`` must be attainable from the text
-    (SentencePiece raises otherwise; ``hard_vocab_limit=False`` lets it
-    return fewer pieces). ``model_type``: SentencePiece's, ``"unigram"`` (default)
-    or ``"bpe"``; ``seed`` seeds its random generator (if the library has one).
+    Ids 0/1/2 are ``<unk>``/``<s>``/``</s>`` (what ``LlamaTokenizer`` expects). Byte fallback is on
+    and normalisation is off (``identity``, whitespace kept), so any text not starting with a space
+    round-trips exactly. Lines of ``texts`` are the training sentences. ``vocabulary_size`` must be
+    attainable from the text (SentencePiece raises otherwise; ``hard_vocab_limit=False`` lets it
+    return fewer pieces). ``model_type``: SentencePiece's, ``"unigram"`` (default) or ``"bpe"``;
+    ``seed`` seeds its random generator (if the library has one).
     """
     import sentencepiece as spm
 
@@ -304,7 +313,8 @@ def train_sentencepiece(texts, vocabulary_size, model_type="unigram", seed=0):
     return model.getvalue()
 
 
-def gpt2_tokenizer(texts=None, vocabulary_size=512, sequence_length=None):
+def gpt2_tokenizer(texts: str | Sequence[str] | None = None, vocabulary_size: int = 512,
+                   sequence_length: int | None = None) -> keras_hub.models.GPT2Tokenizer:
     """A ``keras_hub.models.GPT2Tokenizer`` trained with :func:`train_byte_level_bpe`
     on ``texts`` (default :func:`default_texts`), at most ``vocabulary_size``
     tokens; ``sequence_length`` pads/trims its output (None: ragged)."""
@@ -315,7 +325,8 @@ def gpt2_tokenizer(texts=None, vocabulary_size=512, sequence_length=None):
         vocabulary=vocabulary, merges=merges, sequence_length=sequence_length)
 
 
-def llama_tokenizer(texts=None, vocabulary_size=512, seed=0):
+def llama_tokenizer(texts: str | Sequence[str] | None = None, vocabulary_size: int = 512,
+                    seed: int = 0) -> keras_hub.models.LlamaTokenizer:
     """A ``keras_hub.models.LlamaTokenizer`` trained with :func:`train_sentencepiece`
     (unigram, ``seed``) on ``texts`` (default :func:`default_texts`), at most
     ``vocabulary_size`` pieces (>= 300)."""
@@ -347,19 +358,20 @@ def _scoped_seed(seed):
         keras_internals.set_global_seed_generator(previous)
 
 
-def tiny_gpt2_causal_lm(texts=None, vocabulary_size=512, num_layers=2, hidden_dim=32,
-                        num_heads=2, intermediate_dim=64, sequence_length=32,
-                        max_sequence_length=None, dropout=0.0, seed=0):
+def tiny_gpt2_causal_lm(texts: str | Sequence[str] | None = None, vocabulary_size: int = 512,
+                        num_layers: int = 2, hidden_dim: int = 32, num_heads: int = 2,
+                        intermediate_dim: int = 64, sequence_length: int = 32,
+                        max_sequence_length: int | None = None, dropout: float = 0.0,
+                        seed: int = 0) -> keras_hub.models.GPT2CausalLM:
     """A randomly initialised tiny ``keras_hub.models.GPT2CausalLM``, built offline.
 
-    The tokenizer is a byte-level BPE trained on ``texts`` (default:
-    :func:`default_texts`); the backbone's vocabulary size is the tokenizer's
-    (at most ``vocabulary_size``). ``sequence_length`` is the preprocessor's;
-    ``max_sequence_length`` (default ``max(sequence_length, 128)``) bounds the
-    position embedding, so ``generate(max_length=...)`` may go up to it.
-    ``num_layers`` blocks of width ``hidden_dim``, ``num_heads`` attention heads,
-    feed-forward width ``intermediate_dim``, ``dropout`` rate (0: deterministic).
-    Weights depend only on ``seed``. The model is not compiled.
+    The tokenizer is a byte-level BPE trained on ``texts`` (default: :func:`default_texts`); the
+    backbone's vocabulary size is the tokenizer's (at most ``vocabulary_size``).
+    ``sequence_length`` is the preprocessor's; ``max_sequence_length`` (default
+    ``max(sequence_length, 128)``) bounds the position embedding, so ``generate(max_length=...)``
+    may go up to it. ``num_layers`` blocks of width ``hidden_dim``, ``num_heads`` attention heads,
+    feed-forward width ``intermediate_dim``, ``dropout`` rate (0: deterministic). Weights depend
+    only on ``seed``. The model is not compiled.
     """
     import keras_hub
 
@@ -383,19 +395,20 @@ def tiny_gpt2_causal_lm(texts=None, vocabulary_size=512, num_layers=2, hidden_di
     return causal_lm
 
 
-def tiny_llama_causal_lm(texts=None, vocabulary_size=512, num_layers=2, hidden_dim=32,
-                         num_query_heads=2, num_key_value_heads=1, intermediate_dim=64,
-                         sequence_length=32, dropout=0.0, seed=0):
+def tiny_llama_causal_lm(texts: str | Sequence[str] | None = None, vocabulary_size: int = 512,
+                         num_layers: int = 2, hidden_dim: int = 32, num_query_heads: int = 2,
+                         num_key_value_heads: int = 1, intermediate_dim: int = 64,
+                         sequence_length: int = 32, dropout: float = 0.0,
+                         seed: int = 0) -> keras_hub.models.LlamaCausalLM:
     """A randomly initialised tiny ``keras_hub.models.LlamaCausalLM``, built offline.
 
-    The tokenizer is a SentencePiece unigram model (byte fallback on) trained
-    in memory on ``texts`` (default: :func:`default_texts`). Llama uses rotary
-    position embeddings, so ``generate(max_length=...)`` has no fixed cap.
-    At most ``vocabulary_size`` pieces (>= 300); ``sequence_length`` is the
-    preprocessor's; ``num_layers`` blocks of width ``hidden_dim``,
-    ``num_query_heads`` query and ``num_key_value_heads`` key/value heads,
-    feed-forward width ``intermediate_dim``, ``dropout`` rate (0: deterministic).
-    Weights depend only on ``seed``. The model is not compiled.
+    The tokenizer is a SentencePiece unigram model (byte fallback on) trained in memory on
+    ``texts`` (default: :func:`default_texts`). Llama uses rotary position embeddings, so
+    ``generate(max_length=...)`` has no fixed cap. At most ``vocabulary_size`` pieces (>= 300);
+    ``sequence_length`` is the preprocessor's; ``num_layers`` blocks of width ``hidden_dim``,
+    ``num_query_heads`` query and ``num_key_value_heads`` key/value heads, feed-forward width
+    ``intermediate_dim``, ``dropout`` rate (0: deterministic). Weights depend only on ``seed``. The
+    model is not compiled.
     """
     import keras_hub
 
@@ -417,29 +430,29 @@ def tiny_llama_causal_lm(texts=None, vocabulary_size=512, num_layers=2, hidden_d
     return causal_lm
 
 
-def save_tiny_gpt2_preset(directory, **kwargs):
+def save_tiny_gpt2_preset(directory: str | Path, **kwargs: Any) -> keras_hub.models.GPT2CausalLM:
     """Build :func:`tiny_gpt2_causal_lm` (``**kwargs``) and save it as a preset.
 
-    ``keras_hub.models.GPT2CausalLM.from_preset(directory)`` reloads it
-    offline. Returns the model that was saved.
+    ``keras_hub.models.GPT2CausalLM.from_preset(directory)`` reloads it offline. Returns the model
+    that was saved.
     """
     causal_lm = tiny_gpt2_causal_lm(**kwargs)
     causal_lm.save_to_preset(str(directory))
     return causal_lm
 
 
-def save_tiny_llama_preset(directory, **kwargs):
+def save_tiny_llama_preset(directory: str | Path, **kwargs: Any) -> keras_hub.models.LlamaCausalLM:
     """Build :func:`tiny_llama_causal_lm` (``**kwargs``) and save it as a preset.
 
-    ``keras_hub.models.LlamaCausalLM.from_preset(directory)`` reloads it
-    offline. Returns the model that was saved.
+    ``keras_hub.models.LlamaCausalLM.from_preset(directory)`` reloads it offline. Returns the model
+    that was saved.
     """
     causal_lm = tiny_llama_causal_lm(**kwargs)
     causal_lm.save_to_preset(str(directory))
     return causal_lm
 
 
-def text_passages(texts, passage_chars=256):
+def text_passages(texts: str | Sequence[str], passage_chars: int = 256) -> list[str]:
     """Cut texts into consecutive passages of about ``passage_chars`` characters
     (at line boundaries where possible); empty passages are dropped."""
     passages = []
@@ -458,8 +471,10 @@ def text_passages(texts, passage_chars=256):
     return [p for p in passages if p.strip()]
 
 
-def fit_briefly(causal_lm, texts=None, steps=200, batch_size=16, learning_rate=1e-3,
-                passage_chars=None, seed=0, verbose=0):
+def fit_briefly(causal_lm: keras_hub.models.CausalLM, texts: str | Sequence[str] | None = None,
+                steps: int = 200, batch_size: int = 16, learning_rate: float = 1e-3,
+                passage_chars: int | None = None, seed: int = 0,
+                verbose: int = 0) -> keras.callbacks.History:
     """Train ``causal_lm`` (non-privately) for ``steps`` steps on passages of ``texts``.
 
     For tests, examples and demos that need a model that is better than

@@ -1,9 +1,13 @@
 """``DPVocabularyAdapter``: a Keras layer that learns a DP vocabulary and tokenizes with it."""
 
+from __future__ import annotations
+
 import dataclasses
 import json
 import math
 from pathlib import Path
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -18,6 +22,12 @@ from keras_dp_lm.tokenizers.sentencepiece import SENTENCEPIECE_RESERVED_TOKENS
 from keras_dp_lm.tokenizers.sentencepiece import learn_sentencepiece_proto
 from keras_dp_lm.tokenizers.wordpiece import WORDPIECE_RESERVED_TOKENS
 from keras_dp_lm.tokenizers.wordpiece import learn_wordpiece_vocabulary
+
+if TYPE_CHECKING:
+    import os
+
+    import keras_hub
+    import tensorflow as tf
 
 ALGORITHMS = ("wordpiece", "sentencepiece_unigram", "sentencepiece_bpe")
 
@@ -105,11 +115,13 @@ class DPVocabularyAdapter(keras.layers.Layer):
         sequence_length: pad/truncate outputs to this length (dense output).
     """
 
-    def __init__(self, vocabulary_size, algorithm="wordpiece", *, noise_multiplier=None,
-                 target_epsilon=None, delta=None, max_words_per_example=16, max_count=1,
-                 threshold_delta_fraction=0.5, seed=None, reserved_tokens=None,
-                 oov_token=None, lowercase=True, strip_accents=False,
-                 sequence_length=None, **kwargs):
+    def __init__(self, vocabulary_size: int, algorithm: str = "wordpiece", *,
+                 noise_multiplier: float | None = None, target_epsilon: float | None = None,
+                 delta: float | None = None, max_words_per_example: int = 16, max_count: int = 1,
+                 threshold_delta_fraction: float = 0.5, seed: int | None = None,
+                 reserved_tokens: Sequence[str] | None = None, oov_token: str | None = None,
+                 lowercase: bool = True, strip_accents: bool = False,
+                 sequence_length: int | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("dtype", "int32")
         super().__init__(**kwargs)
         # Like KerasHub preprocessing layers: accept Python strings and keep tf tensors.
@@ -169,11 +181,11 @@ class DPVocabularyAdapter(keras.layers.Layer):
 
     # --- privacy ----------------------------------------------------------
     @property
-    def mechanism(self):
+    def mechanism(self) -> HistogramMechanism:
         return self._mechanism
 
     @property
-    def num_releases(self):
+    def num_releases(self) -> int:
         """How many noised histograms this layer has released (``adapt`` calls)."""
         return len(self._releases)
 
@@ -182,30 +194,30 @@ class DPVocabularyAdapter(keras.layers.Layer):
         return list(self._releases) or [self._mechanism]
 
     @property
-    def epsilon(self):
+    def epsilon(self) -> float:
         """Total epsilon of every release (sum; one release before the first adapt)."""
         return math.fsum(m.epsilon for m in self._accounted_releases())
 
     @property
-    def delta(self):
+    def delta(self) -> float:
         """Total delta of every release (sum; one release before the first adapt)."""
         return math.fsum(m.delta for m in self._accounted_releases())
 
     @property
-    def noise_multiplier(self):
+    def noise_multiplier(self) -> float:
         return self._mechanism.noise_multiplier
 
     @property
-    def threshold(self):
+    def threshold(self) -> float:
         return self._mechanism.threshold
 
-    def dp_event(self):
+    def dp_event(self) -> VocabularyDpEvent:
         """A :class:`VocabularyDpEvent` composing every release (the planned one
         before the first ``adapt``): a ``dp_accounting.DpEvent`` for
         ``PrivacyAccountant(extra_events=[...])`` / ``compose_epsilon``."""
         return VocabularyDpEvent.compose(m.dp_event() for m in self._accounted_releases())
 
-    def privacy_report(self):
+    def privacy_report(self) -> dict[str, Any]:
         """One release's parameters, plus ``num_releases`` and the totals
         (``epsilon``, ``delta``) over all releases."""
         report = self._mechanism.report()
@@ -235,10 +247,11 @@ class DPVocabularyAdapter(keras.layers.Layer):
 
     # --- learning ---------------------------------------------------------
     @property
-    def is_adapted(self):
+    def is_adapted(self) -> bool:
         return self._vocabulary is not None
 
-    def adapt(self, data, batch_size=None):
+    def adapt(self, data: tf.data.Dataset | Iterable[str | Path],
+              batch_size: int | None = None) -> None:
         """Learn the DP vocabulary from ``data``; each string is one example.
 
         ``data``: a ``tf.data.Dataset`` of strings (scalar or batched), an iterable
@@ -296,24 +309,24 @@ class DPVocabularyAdapter(keras.layers.Layer):
         if not self.is_adapted:
             raise ValueError(f"{self.name} has no vocabulary yet: call `adapt(data)` first.")
 
-    def get_vocabulary(self):
+    def get_vocabulary(self) -> list[str]:
         """The learned tokens, id order (reserved tokens first)."""
         self._check_adapted()
         return list(self._vocabulary)
 
-    def vocabulary_size(self):
+    def vocabulary_size(self) -> int:
         """Learned vocabulary length (WordPiece may be up to 5% under the target)."""
         self._check_adapted()
         return len(self._vocabulary)
 
-    def get_proto(self):
+    def get_proto(self) -> bytes:
         """SentencePiece model proto bytes (SentencePiece algorithms only)."""
         self._check_adapted()
         if self._proto is None:
             raise ValueError("`get_proto()` is only defined for the SentencePiece algorithms.")
         return self._proto
 
-    def save_vocabulary(self, path):
+    def save_vocabulary(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
         """Write ``vocabulary.txt`` (one token a line) or the ``.model`` proto to ``path``."""
         self._check_adapted()
         if self._proto is not None:
@@ -323,23 +336,23 @@ class DPVocabularyAdapter(keras.layers.Layer):
                                   encoding="utf-8")
         return path
 
-    def tokenizer(self):
+    def tokenizer(self) -> keras_hub.tokenizers.Tokenizer:
         """The KerasHub tokenizer for the learned vocabulary."""
         self._check_adapted()
         return self._holder.tokenizer
 
-    def call(self, inputs):
+    def call(self, inputs: str | Sequence[str] | tf.Tensor) -> tf.Tensor | tf.RaggedTensor:
         self._check_adapted()
         return self._holder.tokenizer(inputs)
 
-    def compute_output_spec(self, inputs):
+    def compute_output_spec(self, inputs: keras.KerasTensor) -> keras.KerasTensor:
         # Known without a vocabulary, so models rebuild before assets are loaded.
         shape = tuple(inputs.shape) + (self.sequence_length,)
         return keras.KerasTensor(shape, dtype="int32",
                                  ragged=self.sequence_length is None and len(shape) > 1)
 
     # --- serialization ----------------------------------------------------
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update({
             "vocabulary_size": self.target_vocabulary_size,
@@ -362,14 +375,14 @@ class DPVocabularyAdapter(keras.layers.Layer):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> DPVocabularyAdapter:
         config = dict(config)
         releases = config.pop("dp_releases", [])
         layer = cls(**config)
         layer._restore_releases(releases)
         return layer
 
-    def save_assets(self, dir_path):
+    def save_assets(self, dir_path: str) -> None:
         if not self.is_adapted:
             return
         if self._proto is not None:
@@ -379,7 +392,7 @@ class DPVocabularyAdapter(keras.layers.Layer):
                 "".join(t + "\n" for t in self._vocabulary), encoding="utf-8")
         Path(dir_path, _META_ASSET).write_text(json.dumps(self.privacy_report(), indent=1))
 
-    def load_assets(self, dir_path):
+    def load_assets(self, dir_path: str) -> None:
         meta = Path(dir_path, _META_ASSET)
         survivors = None
         if meta.exists():

@@ -3,6 +3,8 @@
 See :mod:`keras_dp_lm.tokenizers` for the mechanism and the proof of its guarantee.
 """
 
+from __future__ import annotations
+
 import math
 
 import dp_accounting
@@ -32,8 +34,8 @@ def _check_release(name, value, delta, max_words_per_example, max_count,
     return (value, k, max_count) + _split_delta(delta, threshold_delta_fraction)
 
 
-def threshold_for(noise_stddev, delta, max_words_per_example, max_count=1,
-                  threshold_delta_fraction=0.5):
+def threshold_for(noise_stddev: float, delta: float, max_words_per_example: int, max_count: int = 1,
+                  threshold_delta_fraction: float = 0.5) -> float:
     """Count threshold ``T`` so one example's unique words survive w.p. ``<= delta_threshold``.
 
     ``T = max_count + noise_stddev * scipy.stats.norm.isf(delta_threshold / k)``
@@ -60,7 +62,7 @@ def threshold_for(noise_stddev, delta, max_words_per_example, max_count=1,
     return float(max_count + noise_stddev * stats.norm.isf(threshold_delta / k))
 
 
-def gaussian_epsilon(noise_multiplier, delta):
+def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
     """Exact epsilon at ``delta`` of one Gaussian mechanism (sensitivity 1, std
     ``noise_multiplier``).
 
@@ -79,7 +81,7 @@ def gaussian_epsilon(noise_multiplier, delta):
     return eps * (1 + 1e-9) + 1e-12
 
 
-def classical_noise_multiplier(epsilon, delta):
+def classical_noise_multiplier(epsilon: float, delta: float) -> float:
     """``sqrt(2 ln(1.25/delta)) / epsilon``: Dwork-Roth sufficient noise (valid for eps < 1).
 
     Example:
@@ -95,8 +97,8 @@ def _threshold_epsilon_term(threshold_delta):
     return -math.log1p(-threshold_delta)
 
 
-def epsilon_for(noise_stddev, delta, max_words_per_example, max_count=1,
-                threshold_delta_fraction=0.5):
+def epsilon_for(noise_stddev: float, delta: float, max_words_per_example: int, max_count: int = 1,
+                threshold_delta_fraction: float = 0.5) -> float:
     """Epsilon of the DP histogram release (see :mod:`keras_dp_lm.tokenizers` for the proof).
 
     ``epsilon = eps_gaussian(noise_multiplier, delta_gaussian) + log(1/(1 - delta_threshold))``
@@ -117,8 +119,8 @@ def epsilon_for(noise_stddev, delta, max_words_per_example, max_count=1,
             + _threshold_epsilon_term(threshold_delta))
 
 
-def noise_stddev_for(target_epsilon, delta, max_words_per_example, max_count=1,
-                     threshold_delta_fraction=0.5):
+def noise_stddev_for(target_epsilon: float, delta: float, max_words_per_example: int,
+                     max_count: int = 1, threshold_delta_fraction: float = 0.5) -> float:
     """Smallest noise std whose :func:`epsilon_for` is ``<= target_epsilon`` (calibration).
 
     ``delta``, ``max_words_per_example`` (k), ``max_count`` and

@@ -1,7 +1,11 @@
 """One DP histogram release as data: its parameters and its ``DpEvent``."""
 
+from __future__ import annotations
+
 import dataclasses
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import dp_accounting
 
@@ -36,7 +40,7 @@ class VocabularyDpEvent(dp_accounting.ComposedDpEvent):
     """
 
     @classmethod
-    def of_release(cls, noise_multiplier, threshold_delta):
+    def of_release(cls, noise_multiplier: float, threshold_delta: float) -> VocabularyDpEvent:
         """The event of one histogram release: Gaussian noise of std
         ``noise_multiplier`` times the L2 sensitivity, and a threshold that
         spends ``threshold_delta`` (``threshold_delta_fraction * delta``)."""
@@ -44,7 +48,7 @@ class VocabularyDpEvent(dp_accounting.ComposedDpEvent):
                     EpsilonDeltaDpEvent(0.0, float(threshold_delta))])
 
     @classmethod
-    def compose(cls, events):
+    def compose(cls, events: Iterable[VocabularyDpEvent]) -> VocabularyDpEvent:
         """One event for several releases (their events, in order)."""
         children = []
         for event in events:
@@ -54,26 +58,27 @@ class VocabularyDpEvent(dp_accounting.ComposedDpEvent):
         return cls(children)
 
     @property
-    def gaussian_events(self):
+    def gaussian_events(self) -> list[dp_accounting.GaussianDpEvent]:
         return [e for e in self.events if isinstance(e, dp_accounting.GaussianDpEvent)]
 
     @property
-    def num_releases(self):
+    def num_releases(self) -> int:
         return len(self.gaussian_events)
 
     @property
-    def threshold_delta(self):
+    def threshold_delta(self) -> float:
         """Total threshold delta of the releases (inside the PLD as mass at infinity)."""
         return math.fsum(float(e.delta) for e in self.events
                          if isinstance(e, EpsilonDeltaDpEvent))
 
     @property
-    def event(self):
+    def event(self) -> dp_accounting.DpEvent:
         """The Gaussian part alone (one ``GaussianDpEvent``, or their composition)."""
         gaussians = self.gaussian_events
         return gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
 
-    def composed_epsilon(self, delta, *other_events):
+    def composed_epsilon(self, delta: float,
+                         *other_events: dp_accounting.DpEvent | tuple[float, float]) -> float:
         """Epsilon at total ``delta`` of these releases composed with ``other_events``.
 
         One call of :func:`keras_dp_lm.accounting.compose_epsilon` (PLD) on
@@ -121,8 +126,9 @@ class HistogramMechanism:
         _check_open_unit("threshold_delta_fraction", self.threshold_delta_fraction)
 
     @classmethod
-    def create(cls, *, delta, max_words_per_example, noise_multiplier=None,
-               target_epsilon=None, max_count=1, threshold_delta_fraction=0.5):
+    def create(cls, *, delta: float, max_words_per_example: int,
+               noise_multiplier: float | None = None, target_epsilon: float | None = None,
+               max_count: int = 1, threshold_delta_fraction: float = 0.5) -> HistogramMechanism:
         """Build from either ``noise_multiplier`` or ``target_epsilon`` (calibrated
         with :func:`noise_stddev_for`); ``delta``, ``max_words_per_example``,
         ``max_count`` and ``threshold_delta_fraction`` are the attributes above."""
@@ -140,43 +146,43 @@ class HistogramMechanism:
                    k, max_count, float(threshold_delta_fraction))
 
     @property
-    def l2_sensitivity(self):
+    def l2_sensitivity(self) -> float:
         return self.max_count * math.sqrt(self.max_words_per_example)
 
     @property
-    def linf_sensitivity(self):
+    def linf_sensitivity(self) -> float:
         return float(self.max_count)
 
     @property
-    def noise_stddev(self):
+    def noise_stddev(self) -> float:
         return self.noise_multiplier * self.l2_sensitivity
 
     @property
-    def threshold_delta(self):
+    def threshold_delta(self) -> float:
         return self.threshold_delta_fraction * self.delta
 
     @property
-    def gaussian_delta(self):
+    def gaussian_delta(self) -> float:
         return self.delta - self.threshold_delta
 
     @property
-    def threshold(self):
+    def threshold(self) -> float:
         return threshold_for(self.noise_stddev, self.delta, self.max_words_per_example,
                              self.max_count, self.threshold_delta_fraction)
 
     @property
-    def gaussian_epsilon(self):
+    def gaussian_epsilon(self) -> float:
         return gaussian_epsilon(self.noise_multiplier, self.gaussian_delta)
 
     @property
-    def epsilon(self):
+    def epsilon(self) -> float:
         return epsilon_for(self.noise_stddev, self.delta, self.max_words_per_example,
                            self.max_count, self.threshold_delta_fraction)
 
-    def dp_event(self):
+    def dp_event(self) -> VocabularyDpEvent:
         return VocabularyDpEvent.of_release(self.noise_multiplier, self.threshold_delta)
 
-    def report(self):
+    def report(self) -> dict[str, Any]:
         """A JSON-able dict of the guarantee and its parts."""
         classical = math.sqrt(2.0 * math.log(1.25 / self.gaussian_delta)) / self.noise_multiplier
         return {

@@ -3,7 +3,12 @@
 See :mod:`keras_dp_lm.tokenizers` for the mechanism and its guarantee.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,6 +17,11 @@ from keras_dp_lm.tokenizers._arguments import _check_seed
 from keras_dp_lm.tokenizers.events import HistogramMechanism
 from keras_dp_lm.tokenizers.pretokenize import _pretokenize_batch
 from keras_dp_lm.tokenizers.pretokenize import _string_batches
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from keras_dp_lm.tokenizers.events import VocabularyDpEvent
 
 DEFAULT_BATCH_SIZE = 4096
 
@@ -30,22 +40,22 @@ class DPWordHistogram:
         DPWordHistogram(2 words, epsilon=5.03, delta=1e-06, threshold=8.108)
     """
 
-    counts: dict
+    counts: dict[str, float]
     mechanism: HistogramMechanism
 
     @property
-    def epsilon(self):
+    def epsilon(self) -> float:
         return self.mechanism.epsilon
 
     @property
-    def delta(self):
+    def delta(self) -> float:
         return self.mechanism.delta
 
     @property
-    def threshold(self):
+    def threshold(self) -> float:
         return self.mechanism.threshold
 
-    def dp_event(self):
+    def dp_event(self) -> VocabularyDpEvent:
         return self.mechanism.dp_event()
 
     def __len__(self):
@@ -149,10 +159,12 @@ def _start_release(*, delta, max_words_per_example, noise_multiplier, target_eps
     return mechanism, batch_size, rng, counter
 
 
-def dp_word_histogram(data, *, delta, max_words_per_example, noise_multiplier=None,
-                      target_epsilon=None, max_count=1, threshold_delta_fraction=0.5,
-                      seed=None, lowercase=True, strip_accents=False, nfkc=False,
-                      batch_size=DEFAULT_BATCH_SIZE):
+def dp_word_histogram(data: tf.data.Dataset | str | Path | Iterable[str | Path], *, delta: float,
+                      max_words_per_example: int, noise_multiplier: float | None = None,
+                      target_epsilon: float | None = None, max_count: int = 1,
+                      threshold_delta_fraction: float = 0.5, seed: int | None = None,
+                      lowercase: bool = True, strip_accents: bool = False, nfkc: bool = False,
+                      batch_size: int = DEFAULT_BATCH_SIZE) -> DPWordHistogram:
     """Release a DP word histogram of ``data`` (see :mod:`keras_dp_lm.tokenizers`).
 
     Args:
@@ -194,10 +206,11 @@ def dp_word_histogram(data, *, delta, max_words_per_example, noise_multiplier=No
     return _release(counter, mechanism, rng)
 
 
-def dp_word_histogram_from_words(examples, *, delta, max_words_per_example,
-                                 noise_multiplier=None, target_epsilon=None, max_count=1,
-                                 threshold_delta_fraction=0.5, seed=None,
-                                 batch_size=DEFAULT_BATCH_SIZE):
+def dp_word_histogram_from_words(examples: Iterable[Sequence[str]], *, delta: float,
+                                 max_words_per_example: int, noise_multiplier: float | None = None,
+                                 target_epsilon: float | None = None, max_count: int = 1,
+                                 threshold_delta_fraction: float = 0.5, seed: int | None = None,
+                                 batch_size: int = DEFAULT_BATCH_SIZE) -> DPWordHistogram:
     """Like :func:`dp_word_histogram` for examples already split into words.
 
     ``examples`` is an iterable of word sequences (one sequence per example);

@@ -1,5 +1,7 @@
 """Examples and words: privacy units from a text, words as the KerasHub tokenizer splits them."""
 
+from __future__ import annotations
+
 import os
 import re
 from pathlib import Path
@@ -7,7 +9,7 @@ from pathlib import Path
 import tensorflow as tf
 
 
-def split_examples(text, unit="paragraph"):
+def split_examples(text: str, unit: str = "paragraph") -> list[str]:
     """Split a text into privacy units: ``unit`` is ``"paragraph"`` (the default,
     blank-line separated) or ``"line"``.
 

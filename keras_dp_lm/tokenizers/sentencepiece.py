@@ -1,18 +1,26 @@
 """A SentencePiece model learned from a released DP word histogram."""
 
+from __future__ import annotations
+
 import io
 import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from keras_dp_lm.tokenizers._arguments import _check_int
 from keras_dp_lm.tokenizers.histogram import _released_counts
 from keras_dp_lm.tokenizers.histogram import _too_few_words_error
 
+if TYPE_CHECKING:
+    from keras_dp_lm.tokenizers.histogram import DPWordHistogram
+
 SENTENCEPIECE_RESERVED_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 
 
-def learn_sentencepiece_proto(histogram, vocabulary_size, *, model_type="unigram",
-                              reserved_tokens=SENTENCEPIECE_RESERVED_TOKENS, lowercase=True,
-                              **trainer_kwargs):
+def learn_sentencepiece_proto(histogram: DPWordHistogram | Mapping[str, float],
+                              vocabulary_size: int, *, model_type: str = "unigram",
+                              reserved_tokens: Sequence[str] = SENTENCEPIECE_RESERVED_TOKENS,
+                              lowercase: bool = True, **trainer_kwargs: Any) -> bytes:
     """SentencePiece model proto (bytes) from released counts (``input_format="tsv"``).
 
     ``histogram``: a :class:`DPWordHistogram` or its ``{word: count}`` dict (counts

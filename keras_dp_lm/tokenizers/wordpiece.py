@@ -1,15 +1,25 @@
 """A WordPiece vocabulary learned from a released DP word histogram."""
 
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
 from keras_dp_lm.tokenizers._arguments import _check_int
 from keras_dp_lm.tokenizers.histogram import _released_counts
 from keras_dp_lm.tokenizers.histogram import _too_few_words_error
 
+if TYPE_CHECKING:
+    from keras_dp_lm.tokenizers.histogram import DPWordHistogram
+
 WORDPIECE_RESERVED_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")
 
 
-def learn_wordpiece_vocabulary(histogram, vocabulary_size, *,
-                               reserved_tokens=WORDPIECE_RESERVED_TOKENS,
-                               suffix_indicator="##", slack_ratio=0.05, **learner_kwargs):
+def learn_wordpiece_vocabulary(histogram: DPWordHistogram | Mapping[str, float],
+                               vocabulary_size: int, *,
+                               reserved_tokens: Sequence[str] = WORDPIECE_RESERVED_TOKENS,
+                               suffix_indicator: str = "##", slack_ratio: float = 0.05,
+                               **learner_kwargs: Any) -> list[str]:
     """WordPiece vocabulary from released counts via tensorflow_text's learner.
 
     Same learner and settings as ``keras_hub.tokenizers.compute_word_piece_vocabulary``

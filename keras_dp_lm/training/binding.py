@@ -27,9 +27,13 @@ Every touch of Keras's private API is in
 :mod:`keras_dp_lm._keras_internals`.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import types
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -383,7 +387,7 @@ def guard_registered_models():
 on_marked("binding", lambda model: guard_registered_models())
 
 
-def install():
+def install() -> None:
     """Patch ``keras.Model.compile`` (the binding point) and add the
     ``dp_ledger`` property (idempotent).
 
@@ -403,7 +407,7 @@ def install():
             saved_ledger, doc="The model's privacy ledger (keras_dp_lm.ledger_of).")
 
 
-def make_private(model):
+def make_private(model: keras.Model) -> Callable[[Any], dict[str, tf.Tensor]]:
     """Bind the DP train step to a model compiled with a DP optimizer.
 
     ``model.compile`` does this automatically once keras_dp_lm is imported.

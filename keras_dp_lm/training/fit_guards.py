@@ -22,6 +22,8 @@ refused before any update, by :func:`check_training_is_private`:
   (:func:`check_optimizer_matches_step`): Keras keeps the step it traced.
 """
 
+from __future__ import annotations
+
 import keras
 
 from keras_dp_lm.optimizers import is_dp_optimizer
@@ -50,7 +52,7 @@ def _has_dp_updates(model):
     return ledger is not None and ledger.updates > 0
 
 
-def allow_non_private_fit(model):
+def allow_non_private_fit(model: keras.Model) -> None:
     """Let a model with DP updates train with its current non-DP optimizer.
 
     Call it only when the data of the next fits is public: updates from a

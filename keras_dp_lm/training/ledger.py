@@ -42,7 +42,11 @@ Example:
     [LedgerRow(noise_multiplier=1.0, sampling_rate=0.0, max_real_batch=4.0, updates=2)]
 """
 
+from __future__ import annotations
+
 import weakref
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
 
 import numpy as np
 import keras
@@ -79,7 +83,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
     Create it with :func:`ledger_of`; do not construct it directly.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         with tf.init_scope():
             self.table = keras.Variable(
                 np.zeros((MAX_ROWS, COLUMNS)), dtype="float64", trainable=False,
@@ -133,7 +137,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
     def _obj_type(self):
         return "Loss"  # any type Keras walks; the ledger has no saveable children
 
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: MutableMapping[str, Any]) -> None:
         store["table"] = np.asarray(self.table.numpy())
         store["num_rows"] = np.asarray(self.num_rows.numpy())
         store["unit"] = np.asarray(self.unit.numpy())
@@ -141,7 +145,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         store["lineage"] = np.asarray(self.lineage.numpy())
         store["selection"] = np.asarray(self.selection.numpy())
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Mapping[str, Any] | None) -> None:
         """Combine a saved ledger with the updates the model already holds.
 
         Keras restores the layers before the ledger, and with
@@ -212,7 +216,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
             # (the save guards listen: keras_dp_lm.training.save_guards)
             mark_dp_trained(holder.weights, self, model=holder)
 
-    def inherit(self, sources):
+    def inherit(self, sources: Iterable[PrivacyLedger]) -> None:
         """Start from the DP updates of ``sources``: the ledgers of the DP steps
         (or loaded files) that trained weights this ledger's model holds. A
         model built on DP-trained weights (a new head on a DP-trained base, a
@@ -264,7 +268,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
                 [self.lineage.numpy()[0], source.lineage.numpy()[0], source.updates]))
 
     # -- reading ---------------------------------------------------------------
-    def rows(self):
+    def rows(self) -> list[LedgerRow]:
         """The rows, as :class:`~keras_dp_lm.accounting.LedgerRow` tuples
         ``(noise_multiplier, sampling_rate, max_real_batch, updates)``.
 
@@ -276,7 +280,7 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         count = int(self.num_rows.numpy())
         return [LedgerRow(float(s), float(q), float(b), int(n)) for s, q, b, n in table[:count]]
 
-    def record_selection(self, epsilon, delta, covers=None):
+    def record_selection(self, epsilon: float, delta: float, covers: int | None = None) -> None:
         """Record that this model was released by a private hyperparameter
         search spending ``(epsilon, delta)`` (:func:`keras_dp_lm.tuning.private_search`),
         whose epsilon covers the first ``covers`` updates the ledger holds (the
@@ -296,37 +300,38 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         covered = own[2] if own[0] > 0 else (other[2] if first else 0.0)
         self.selection.assign(np.array([own[0] + other[0], own[1] + other[1], covered]))
 
-    def accounted_rows(self):
+    def accounted_rows(self) -> list[LedgerRow]:
         """The rows an accountant prices as DP-SGD updates: :meth:`rows` without
         the updates a recorded search's epsilon covers (:meth:`selection_events`)."""
         return [LedgerRow(*row) for row in rows_after(self.rows(),
                                                       int(self.selection.numpy()[2]))]
 
-    def selection_events(self):
+    def selection_events(self) -> list[tuple[float, float]]:
         """``[(epsilon, delta)]`` of the private search this model was released
         by (composed with :meth:`accounted_rows`), or ``[]``."""
         epsilon, delta, _ = self.selection.numpy()
         return [(float(epsilon), float(delta))] if epsilon > 0 else []
 
     @property
-    def privacy_unit(self):
+    def privacy_unit(self) -> str | None:
         """``"example"``, ``"user"`` (what each update's clipping protected), or
         ``None`` before the first update."""
         code = int(self.unit.numpy())
         return next((name for name, c in PRIVACY_UNITS.items() if c == code), None)
 
     @property
-    def updates(self):
+    def updates(self) -> int:
         """Total number of noised updates the model has received."""
         return sum(row.updates for row in self.rows())
 
-    def updates_so_far(self):
+    def updates_so_far(self) -> tf.Tensor:
         """The number of updates recorded, as an int64 tensor (for the traced step)."""
         table = tf.convert_to_tensor(self.table.value)
         return tf.cast(tf.reduce_sum(table[:, 3]), tf.int64)
 
-    def set_limits(self, noise_multiplier=0.0, sampling_rate=0.0, batch_size=0.0,
-                   poisson_batch_cap=0.0, poisson_mean=0.0, owner=None):
+    def set_limits(self, noise_multiplier: float = 0.0, sampling_rate: float = 0.0,
+                   batch_size: float = 0.0, poisson_batch_cap: float = 0.0,
+                   poisson_mean: float = 0.0, owner: object = None) -> None:
         """Parameters the accountant assumes; the step refuses batches beyond them.
 
         ``noise_multiplier``: the smallest sigma; ``sampling_rate``: the largest
@@ -361,13 +366,14 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         if owner is not None:
             self._limits_owner = weakref.ref(owner)
 
-    def clear_limits(self):
+    def clear_limits(self) -> None:
         """Forget the registered limits (and their accountant)."""
         self.limits.assign(np.zeros((_LIMITS,)))
         self._limits_owner = None
 
     # -- writing (inside the traced step) -------------------------------------
-    def check(self, noise_multiplier, sampling_rate, real_batch, unit="example"):
+    def check(self, noise_multiplier: tf.Tensor | float, sampling_rate: tf.Tensor | float,
+              real_batch: tf.Tensor | float, unit: str = "example") -> tf.Tensor:
         """``ok`` (bool tensor): the batch is within the accounted limits, and
         of the ledger's privacy unit (``"example"`` or ``"user"``). The update's
         ``noise_multiplier``, its batch's ``sampling_rate`` (0: fixed-size) and
@@ -375,7 +381,8 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         return tf.reduce_all(self.check_parts(noise_multiplier, sampling_rate, real_batch,
                                               unit))
 
-    def check_parts(self, noise_multiplier, sampling_rate, real_batch, unit="example"):
+    def check_parts(self, noise_multiplier: tf.Tensor | float, sampling_rate: tf.Tensor | float,
+                    real_batch: tf.Tensor | float, unit: str = "example") -> tf.Tensor:
         """The conditions :meth:`check` requires, one bool each, in the order
         of ``CHECKS`` (a condition that does not apply to this kind of batch
         holds)."""
@@ -415,13 +422,14 @@ class PrivacyLedger(keras_internals.KerasSaveable):
         mean, q = limits[4], limits[1]
         return tf.stack([mean, mean * (1.0 - q), tf.constant(0.0, tf.float64)])
 
-    def recorded_rate(self, sampling_rate):
+    def recorded_rate(self, sampling_rate: tf.Tensor | float) -> tf.Tensor:
         """The rate :meth:`record` writes for a batch carrying ``sampling_rate``:
         at least the registered accountant's (see :meth:`record`)."""
         return tf.maximum(tf.cast(sampling_rate, tf.float64),
                           tf.convert_to_tensor(self.limits.value)[1])
 
-    def record(self, noise_multiplier, sampling_rate, real_batch, ok, unit="example"):
+    def record(self, noise_multiplier: tf.Tensor | float, sampling_rate: tf.Tensor | float,
+               real_batch: tf.Tensor | float, ok: tf.Tensor | bool, unit: str = "example") -> None:
         """Append one update (branch-free, so it runs in replica context and XLA).
 
         ``noise_multiplier``, ``sampling_rate``, ``real_batch`` and ``unit`` as for

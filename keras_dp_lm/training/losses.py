@@ -9,6 +9,10 @@ regularisation, which depends on no example, is handled separately). :func:`per_
 batched pass, and the tests check it against that definition.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import tensorflow as tf
 from keras import ops
 
@@ -20,6 +24,9 @@ from keras_dp_lm._keras_internals import squeeze_or_expand_to_same_rank
 from keras_dp_lm._keras_internals import standardize_reduction
 from keras_dp_lm._keras_internals import tree
 from keras_dp_lm.errors import PrivacyRefusalError
+
+if TYPE_CHECKING:
+    import keras
 
 _MEAN_REDUCTIONS = ("mean", "sum_over_batch_size")
 
@@ -41,7 +48,9 @@ def _elements_per_example(values):
     return ops.cast(count, values.dtype)
 
 
-def reduce_per_example(values, sample_weight=None, mask=None, reduction="sum_over_batch_size"):
+def reduce_per_example(values: tf.Tensor, sample_weight: tf.Tensor | None = None,
+                       mask: tf.Tensor | None = None,
+                       reduction: str | None = "sum_over_batch_size") -> tf.Tensor:
     """Reduce elementwise loss values ``[B, ...]`` to ``[B]``, one example at a time.
 
     Mirrors ``keras.losses.Loss.__call__`` applied to a batch of one example, so a
@@ -195,7 +204,8 @@ def _data_dependent_losses(model):
     return found
 
 
-def per_example_losses(model, x, y, y_pred, sample_weight=None):
+def per_example_losses(model: keras.Model, x: Any, y: Any, y_pred: Any,
+                       sample_weight: Any = None) -> tf.Tensor:
     """Return one loss per example, shape ``[B]``.
 
     Uses ``model.compute_per_example_loss(x, y, y_pred, sample_weight)`` when
@@ -243,7 +253,7 @@ def per_example_losses(model, x, y, y_pred, sample_weight=None):
     return losses
 
 
-def regularization_loss(model):
+def regularization_loss(model: keras.Model) -> tf.Tensor | None:
     """Sum of the model's weight-regularisation losses (data independent), or None.
 
     The DP step differentiates it separately and adds its gradient after the

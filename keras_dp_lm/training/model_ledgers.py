@@ -5,6 +5,8 @@ keyed by the model (weakly), not as an attribute of it; Keras saves it as the
 model's ``dp_ledger``. A KerasHub task keeps its ledger with its backbone.
 """
 
+from __future__ import annotations
+
 import weakref
 
 import keras
@@ -37,7 +39,7 @@ def _ledger_holder(model):
     return backbone if isinstance(backbone, keras.Model) and backbone is not model else model
 
 
-def ledger_of(model, create=True):
+def ledger_of(model: keras.Model, create: bool = True) -> PrivacyLedger | None:
     """The :class:`PrivacyLedger` of ``model`` (created empty on first use).
 
     A KerasHub task keeps its ledger with its backbone, so ``save_to_preset``

@@ -26,6 +26,8 @@ Random-number state (dropout's seed generators) is written too, but it
 depends on no data and is allowed.
 """
 
+from __future__ import annotations
+
 import keras
 import tensorflow as tf
 
@@ -47,7 +49,7 @@ def _axes(axis):
     return axis if isinstance(axis, (list, tuple)) else [axis]
 
 
-def check_model(model):
+def check_model(model: keras.Model) -> None:
     """Raise ``ValueError`` if ``model`` has a layer the DP step cannot make private."""
     _check_something_trains(model)
     for layer in internals.flatten_layers(model):

@@ -22,9 +22,12 @@ regularisers) are refused, because the step could not guarantee the clipping
 bound for them.
 """
 
-import collections
+from __future__ import annotations
+
 import contextlib
+import typing
 import weakref
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
@@ -55,24 +58,32 @@ from keras_dp_lm.training.probing import _probe_engine
 from keras_dp_lm.data.feature_normalization import recording_release_calls
 from keras_dp_lm.errors import PrivacyRefusalError
 
-ClippedBatch = collections.namedtuple("ClippedBatch",
-                                      ["grads", "losses", "norms", "mask", "rounding"],
-                                      defaults=(None,))
-ClippedBatch.__doc__ = """The clipped sum of one logical batch (no noise).
+if TYPE_CHECKING:
+    import keras
 
-grads: list aligned with ``model.trainable_variables``: the sum over real units
-    (examples, or users for user batches) of ``min(1, C / ||g_u||) g_u``;
-    padding slots contribute exactly zero.
-losses: ``[B]`` per-example losses (0 on padding slots); in a user batch each
-    is weighted by 1 / (its user's real examples), so a user's losses sum to
-    the user's mean loss.
-norms: per-unit gradient norms before clipping (0 for padding): ``[B]``, or
-    ``[B / k]`` per user for user batches.
-mask: ``[B]`` float32, 1 for real examples and 0 for padding slots (in a user
-    batch, rows ``u*k .. u*k+k-1`` are user ``u``).
-rounding: like ``norms``, the float32 rounding allowance included in
-    ``norms**2`` (``ClippedSum.rounding``; 0 for the exact engine).
-"""
+
+class ClippedBatch(typing.NamedTuple):
+    """The clipped sum of one logical batch (no noise).
+
+    grads: list aligned with ``model.trainable_variables``: the sum over real units
+        (examples, or users for user batches) of ``min(1, C / ||g_u||) g_u``;
+        padding slots contribute exactly zero.
+    losses: ``[B]`` per-example losses (0 on padding slots); in a user batch each
+        is weighted by 1 / (its user's real examples), so a user's losses sum to
+        the user's mean loss.
+    norms: per-unit gradient norms before clipping (0 for padding): ``[B]``, or
+        ``[B / k]`` per user for user batches.
+    mask: ``[B]`` float32, 1 for real examples and 0 for padding slots (in a user
+        batch, rows ``u*k .. u*k+k-1`` are user ``u``).
+    rounding: like ``norms``, the float32 rounding allowance included in
+        ``norms**2`` (``ClippedSum.rounding``; 0 for the exact engine).
+    """
+
+    grads: list[tf.Tensor]
+    losses: tf.Tensor
+    norms: tf.Tensor
+    mask: tf.Tensor
+    rounding: tf.Tensor | None = None
 
 
 def _update_metrics(model, part, outputs):
@@ -85,7 +96,8 @@ def _update_metrics(model, part, outputs):
     model.compute_metrics(px, py, outputs, sample_weight=psw)
 
 
-def dp_clipped_gradient(model, data, update_metrics=False):
+def dp_clipped_gradient(model: keras.Model, data: Any,
+                        update_metrics: bool = False) -> ClippedBatch:
     """Summed clipped per-example gradients of one logical batch (no noise).
 
     Returns a :class:`ClippedBatch`, processing
@@ -207,7 +219,7 @@ def _same_objects(a, b):
 # so the step is not converted, as Keras's own train_step is not: converting
 # keras_dp_lm's source took a third of a 1-layer GPT-2's first DP fit.
 @tf.autograph.experimental.do_not_convert
-def dp_train_step(model, data):
+def dp_train_step(model: keras.Model, data: Any) -> dict[str, tf.Tensor]:
     """One DP update on one logical batch; the body of ``model.train_step``.
 
     Before the update the batch is checked against what the accountant

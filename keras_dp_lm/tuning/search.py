@@ -1,9 +1,13 @@
 """The private and the public hyperparameter search of :mod:`keras_dp_lm.tuning`
 (described, with an example, there)."""
 
+from __future__ import annotations
+
 import dataclasses
 import math
 import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -11,6 +15,12 @@ from keras_dp_lm.accounting import selection
 from keras_dp_lm.accounting.epsilon import compute_epsilon
 from keras_dp_lm.accounting.overflow import suggest_max_batch_size
 from keras_dp_lm.recipes import suggest_recipe
+
+if TYPE_CHECKING:
+    import dp_accounting
+    import keras
+
+    from keras_dp_lm.recipes import DPRecipe
 
 __all__ = ["Candidate", "PublicSearchResult", "SearchResult", "private_search",
            "public_search"]
@@ -58,12 +68,12 @@ class SearchResult:
         score_noise_multiplier: the std of the noise on each trial's summed score.
     """
 
-    model: object
+    model: keras.Model
     candidate: Candidate
     score: float
     epsilon: float
     delta: float
-    dp_event: object
+    dp_event: dp_accounting.DpEvent
     noise_multiplier: float
     sampling_rate: float
     steps: int
@@ -73,7 +83,7 @@ class SearchResult:
     validation_size: float
     score_noise_multiplier: float
 
-    def explain(self):
+    def explain(self) -> str:
         return (f"Private search: the best of a random number of DP trials (mean "
                 f"{self.mean_trials:g}, shape {self.shape:g}), each {self.steps} DP-Adam "
                 f"steps at q={self.sampling_rate:.4g}, noise multiplier "
@@ -129,12 +139,16 @@ def _num_rows(data):
     return sizes.pop()
 
 
-def private_search(build_model, x, y, *, target_epsilon, delta, candidates,
-                   loss="sparse_categorical_crossentropy_from_logits", mean_trials=3.0,
-                   shape=1.0, epochs=3.0, min_steps=100, max_batch_size=4096,
-                   l2_norm_clip=0.1, validation_fraction=0.1, score_fn=None,
-                   score_noise_multiplier=None, micro_batch_size=None, seed=None,
-                   verbose=0):
+def private_search(build_model: Callable[[Candidate], keras.Model],
+                   x: np.ndarray | Mapping[str, np.ndarray], y: np.ndarray, *,
+                   target_epsilon: float, delta: float, candidates: Sequence[Candidate],
+                   loss: str | keras.losses.Loss = "sparse_categorical_crossentropy_from_logits",
+                   mean_trials: float = 3.0, shape: float = 1.0, epochs: float = 3.0,
+                   min_steps: int = 100, max_batch_size: int = 4096, l2_norm_clip: float = 0.1,
+                   validation_fraction: float = 0.1,
+                   score_fn: Callable[[keras.Model, Any, np.ndarray], np.ndarray] | None = None,
+                   score_noise_multiplier: float | None = None, micro_batch_size: int | None = None,
+                   seed: int | None = None, verbose: int = 0) -> SearchResult:
     """Search ``candidates`` privately and return the best trial (the steps: :mod:`keras_dp_lm.tuning`).
 
     Args:
@@ -377,16 +391,20 @@ class PublicSearchResult:
     """
 
     best: Candidate
-    scores: dict
+    scores: dict[Candidate, float]
     noise_multiplier: float
     batch_size: int
     steps: int
     l2_norm_clip: float
 
 
-def public_search(build_model, x, y, *, recipe, candidates,
-                  loss="sparse_categorical_crossentropy_from_logits",
-                  validation_fraction=0.2, repeats=1, score_fn=None, seed=None, verbose=0):
+def public_search(build_model: Callable[[Candidate], keras.Model],
+                  x: np.ndarray | Mapping[str, np.ndarray], y: np.ndarray, *, recipe: DPRecipe,
+                  candidates: Sequence[Candidate],
+                  loss: str | keras.losses.Loss = "sparse_categorical_crossentropy_from_logits",
+                  validation_fraction: float = 0.2, repeats: int = 1,
+                  score_fn: Callable[[keras.Model, Any, np.ndarray], np.ndarray] | None = None,
+                  seed: int | None = None, verbose: int = 0) -> PublicSearchResult:
     """Try every candidate on PUBLIC data under the private run's noise: free.
 
     Each candidate trains a fresh model with DP-Adam at the recipe's noise
