@@ -111,6 +111,44 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+def unbalanced_rows(data_dir, dp_rows_json):
+    """Issue 52's bar on the unbalanced tasks: their DP rows as run
+    (``imbalanced_class_priors.json``), with the balanced-picked non-private probe
+    computed here on the same subsample (the stored probe was picked on accuracy)."""
+    rows = json.loads(Path(dp_rows_json).read_text())
+    for row in rows:
+        splits, _ = imbalanced.load_unbalanced(row["task"], data_dir)
+        row["non_private_balanced"] = non_private_balanced_best(splits, 2)
+        row["smallest_class"] = int(np.bincount(splits["train"][1], minlength=2).min())
+    return rows
+
+
+def unbalanced_markdown(rows):
+    """One line per unbalanced task: the bar's three tests for ``readme`` and
+    ``la_weights`` (smallest class under 400, so balanced accuracy within 3 points
+    of the balanced-picked probe at epsilon 8; rare recall at epsilon 8 at least
+    half the probe's; rare recall at least 5% at epsilon 3)."""
+    lines = ["| task | rare train | probe balanced / rare recall (picked on balanced) | "
+             "variant | eps 3: balanced / rare recall | eps 8: same | gap at eps 8 | "
+             "bar: gap >= -3 / rare eps 8 >= half / rare eps 3 >= 5 |",
+             "|---|---:|---:|---|---:|---:|---:|---|"]
+    for row in rows:
+        probe = _scores([row["non_private_balanced"]])
+        probe_rare = 100 * row["non_private_balanced"]["test_recall"][1]
+        for variant in ("readme", "la_weights"):
+            runs = row["variants"][variant]
+            cells = [_scores(runs[f"eps{eps:g}"]) for eps in utility_suite.EPSILONS]
+            rare = [100 * np.mean([r["test_recall"][1] for r in runs[f"eps{eps:g}"]])
+                    for eps in utility_suite.EPSILONS]
+            gap = cells[1][1] - probe[1]
+            verdict = " / ".join("yes" if ok else "**no**" for ok in (
+                gap >= -3.0, rare[1] >= 0.5 * probe_rare, rare[0] >= 5.0))
+            lines.append(f"| {row['task']} | {row['smallest_class']} | {probe[1]:.1f} / "
+                         f"{probe_rare:.1f} | {variant} | {cells[0][1]:.1f} / {rare[0]:.1f} | "
+                         f"{cells[1][1]:.1f} / {rare[1]:.1f} | {gap:+.1f} | {verdict} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default="data")
@@ -118,7 +156,15 @@ def main(argv=None):
     parser.add_argument("--tasks", nargs="*", default=["rotten_tomatoes", "rotten_tomatoes_3000"])
     parser.add_argument("--output", default=str(BENCHMARKS / "results" / "balanced_heads.json"))
     parser.add_argument("--from-json", default=None, help="render an earlier run's rows")
+    parser.add_argument("--unbalanced", default=None, metavar="JSON",
+                        help="instead: the bar on the unbalanced tasks of this "
+                             "imbalanced.py --variants output (readme, la_weights)")
     args = parser.parse_args(argv)
+    if args.unbalanced:
+        rows = unbalanced_rows(args.data_dir, args.unbalanced)
+        Path(args.output).write_text(json.dumps(rows, indent=1))
+        print(unbalanced_markdown(rows))
+        return
     if args.from_json:
         print(markdown(json.loads(Path(args.from_json).read_text())))
         return
