@@ -286,6 +286,9 @@ def test_refusals_name_the_problem():
         LASCCE([0.5, 0.5], tau=-1.0)
     with pytest.raises(ValueError, match="positive numbers"):
         LASCCE([1.0, 0.0])
+    # a head with another number of outputs than the priors' classes
+    with pytest.raises(ValueError, match=r"outputs 2 logits .* priors have 4 classes.*Dense\(4\)"):
+        LASCCE([0.25] * 4)(np.array([0, 1]), np.zeros((2, 2), "float32"))
 
 
 def test_the_accountant_refuses_a_loss_whose_priors_release_it_does_not_count():

@@ -282,6 +282,12 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
     def call(self, y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
         ops = keras.ops
         logits = ops.convert_to_tensor(y_pred)
+        if logits.shape[-1] is not None and logits.shape[-1] != len(self.priors):
+            raise ValueError(
+                f"The model outputs {logits.shape[-1]} logits per example but the priors "
+                f"have {len(self.priors)} classes: give the head one output per class "
+                f"(e.g. keras.layers.Dense({len(self.priors)})), or release the priors "
+                f"with DPClassPriors(num_classes={logits.shape[-1]}).")
         offset = ops.convert_to_tensor(self.tau * np.log(self.priors), dtype=logits.dtype)
         labels = ops.cast(y_true, "int32")
         if len(labels.shape) == len(logits.shape):
