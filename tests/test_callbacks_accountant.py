@@ -365,3 +365,36 @@ def test_the_statement_counts_the_chance_of_a_batch_above_its_cap():
             min(1.0, 1e-3 + (1 + math.exp(report["epsilon"])) * p))
         assert ("no guarantee" in accountant.statement()) is vacuous
         assert report["delta_with_overflow"] > (0.5 if vacuous else 1e-3)
+
+
+def _check_at(seen, delta):
+    logged = [eps for _, eps in seen]
+    exact = [dp_accounting_epsilon(rows, delta) for rows, _ in seen]
+    assert all(value >= bound for value, bound in zip(logged, exact)), list(zip(logged, exact))
+
+
+def test_delta_and_events_set_after_construction_are_the_ones_counted():
+    """``delta`` and ``extra_events`` are public attributes: set after the accountant
+    is made (before a fit, or between two reports), they are what the per-batch
+    epsilon and the report count, never the values they replaced."""
+    model = make_model()
+    accountant = PrivacyAccountant(delta=DELTA, dataset_size=N, batch_size=B,
+                                   sampling="poisson", verbose=0)
+    accountant.delta = 1e-9            # smaller: every epsilon is larger
+    history, seen = fit_recording(model, accountant, epochs=2)
+    _check_at(seen, 1e-9)
+    assert history.history["epsilon"][-1] == pytest.approx(
+        dp_accounting_epsilon(seen[-1][0], 1e-9), rel=1e-6)
+    before = accountant.report()
+    extra = dp_accounting.GaussianDpEvent(0.5)
+    accountant.extra_events.append(extra)
+    after = accountant.report()
+    direct = dp_accounting.pld.PLDAccountant()
+    for sigma, q, updates in seen[-1][0]:
+        direct.compose(accounting.dp_sgd_event(sigma, q, updates))
+    direct.compose(extra)
+    assert after["total_epsilon"] > before["total_epsilon"]
+    assert after["total_epsilon"] >= direct.get_epsilon(1e-9) * (1 - 1e-3)
+    accountant.delta = 1e-5            # larger: the report follows it
+    assert accountant.report()["delta"] == 1e-5
+    assert accountant.report()["epsilon"] == pytest.approx(accountant.epsilon)

@@ -21,34 +21,34 @@ class BatchEpsilon:
     """The per-batch epsilon of one fit: exact when asked, else a monotone bound.
 
     Args:
-        dataset_size: N, the number of privacy units.
-        delta: the accountant's delta.
         exact_epsilon: ``rows -> epsilon``, the accountant's exact (cached) epsilon
-            of ledger rows (the recorded search's release composed in).
+            of ledger rows at its current delta (the recorded search's release
+            composed in).
     """
 
-    def __init__(self, dataset_size, delta, exact_epsilon):
-        self._dataset_size = dataset_size
-        self._delta = delta
+    def __init__(self, exact_epsilon):
         self._exact_epsilon = exact_epsilon
         self.reset()
 
     def reset(self):
         """Forget the fit's grid and last value (a new fit, or a restored ledger)."""
-        self._grid = None  # (counts, values, non-dominated rows) of the current fit
+        self._grid = None  # (counts, values, non-dominated rows, delta and N) of the fit
         self._logged = None  # the last value (never decreases)
 
-    def value(self, rows, assumptions, *, exact, planned_end):
+    def value(self, rows, assumptions, *, delta, dataset_size, exact, planned_end):
         """Epsilon to log after a batch.
 
         Args:
             rows: the ledger's accounted rows with updates.
             assumptions: the fit's :class:`~keras_dp_lm.callbacks.fit_assumptions.
                 FitAssumptions`.
+            delta, dataset_size: the accountant's, read at each batch (a grid made
+                for other values is made again).
             exact: compute the exact value (the last batch, RDP, a recorded search).
             planned_end: ``(dominated updates so far, other updates) -> the run's
                 smallest possible final count of dominated updates, or None``.
         """
+        self._delta, self._dataset_size = delta, dataset_size
         if exact or not rows:
             value = self._exact_epsilon(rows)
         else:
@@ -65,8 +65,8 @@ class BatchEpsilon:
         others = tuple(row for row in rows
                        if not assumptions.dominates([row], self._dataset_size))
         n = sum(row.updates for row in rows) - sum(row.updates for row in others)
-        if self._grid is None or self._grid[2] != others:
-            self._grid = ([], [], others)
+        if self._grid is None or self._grid[2:] != (others, self._delta, self._dataset_size):
+            self._grid = ([], [], others, self._delta, self._dataset_size)
             end = planned_end(n, sum(row.updates for row in others))
             if end is not None and not assumptions.dominates(rows[-1:], self._dataset_size):
                 end = None
@@ -74,11 +74,11 @@ class BatchEpsilon:
                               else None)
         elif n > self._grid[0][-1]:
             self._extend_grid(rows, n, assumptions, None)
-        counts, values, _ = self._grid
+        counts, values = self._grid[:2]
         return values[bisect.bisect_left(counts, n)]
 
     def _extend_grid(self, rows, n, assumptions, end):
-        counts, values, others = self._grid
+        counts, values, others = self._grid[:3]
         sigma, rate = assumptions.noise_multiplier, assumptions.sampling_rate
         cap = None
         if end is not None:

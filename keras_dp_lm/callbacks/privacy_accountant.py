@@ -186,7 +186,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         self.in_fit = False  # between on_train_begin and on_train_end
         self.stopped_at = None
         self._exact_cache = {}  # exact epsilon by ledger rows (a few entries)
-        self._batch_epsilon = BatchEpsilon(self.dataset_size, self.delta, self._exact_epsilon)
+        self._batch_epsilon = BatchEpsilon(self._exact_epsilon)
         self._fit_start = None  # ledger count before the fit's first batch
         self._epoch = 0
 
@@ -274,7 +274,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
 
     def _exact_epsilon(self, rows):
         selection = self._selection_events()
-        key = (tuple(rows), tuple(selection), self.delta, self.accountant)
+        key = (tuple(rows), tuple(selection), self.delta, self.accountant, self.dataset_size)
         if key not in self._exact_cache:
             if len(self._exact_cache) >= 8:
                 self._exact_cache.pop(next(iter(self._exact_cache)))
@@ -344,7 +344,8 @@ class PrivacyAccountant(keras.callbacks.Callback):
         exact = (self.accountant == "rdp" or final or count == self._fit_start
                  or bool(self._selection_events()))  # a recorded search: composed exactly
         return self._batch_epsilon.value(
-            rows, self._assumptions, exact=exact,
+            rows, self._assumptions, delta=self.delta, dataset_size=self.dataset_size,
+            exact=exact,
             planned_end=lambda n, others: self._planned_end(n, others, batch))
 
     def _last_planned_batch(self, batch):
@@ -455,7 +456,11 @@ class PrivacyAccountant(keras.callbacks.Callback):
             self._assumptions = self._resolve()
         rows = [row for row in self._rows() if row.updates]
         selection = self._selection_events()
-        key = (tuple(rows), tuple(selection), self._assumptions)
+        # everything the report reads (the public attributes may be set after
+        # construction)
+        key = (tuple(rows), tuple(selection), self._assumptions, self.delta, self.accountant,
+               self.dataset_size, repr(self.extra_events), self.examples_per_user,
+               self.target_epsilon, self.stopped_at)
         if self._report_cache[0] != key:
             self._report_cache = (key, accountant_report(
                 self, self._assumptions, rows, selection,
