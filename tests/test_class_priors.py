@@ -261,6 +261,17 @@ def test_a_reloaded_loss_still_carries_its_release(tmp_path):
     np.testing.assert_allclose(loaded.priors, priors.priors)
 
 
+def test_the_released_vector_carries_its_release_like_the_object():
+    """Given as a plain vector (``priors.priors`` or what ``release`` returned), the
+    released priors still name their release, so the accountant still requires it;
+    any other vector is public priors."""
+    priors = DPClassPriors(2, noise_multiplier=5.0, seed=1)
+    returned = priors.release([0] * 30 + [1] * 10)
+    for given in (priors.priors, returned, list(priors.priors)):
+        assert LASCCE(given).release_event == priors.dp_event()
+    assert LASCCE([0.75, 0.25]).release_event is None
+
+
 def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="not differentially private"):
         DPClassPriors(2, noise_multiplier=0.0)

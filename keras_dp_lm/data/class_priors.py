@@ -28,6 +28,7 @@ bound) is unchanged. Its optional class weights ``min(prior) / prior[y]`` lie in
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import dp_accounting
@@ -181,6 +182,7 @@ class DPClassPriors:
         # Post-processing of the release only.
         floored = np.maximum(self.released_counts, self.min_count)
         self.priors = floored / floored.sum()
+        _RELEASED[_as_priors(self.priors).tobytes()] = self
         return self.priors.copy()
 
     def dp_event(self) -> dp_accounting.DpEvent:
@@ -209,6 +211,11 @@ def _class_weights(priors):
     return np.min(priors) / priors
 
 
+# The priors vectors released so far, by value: a loss given one of them as a plain
+# vector (``priors.priors``, or ``release``'s return) still carries its release.
+_RELEASED = weakref.WeakValueDictionary()
+
+
 def _as_priors(priors):
     if isinstance(priors, DPClassPriors):
         priors = priors._require_priors()
@@ -233,8 +240,9 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
 
     Args:
         priors: released priors: a :class:`DPClassPriors` after ``release`` or
-            its ``priors`` vector. Never priors counted on the private labels
-            without noise: they would be an unaccounted release.
+            its ``priors`` vector (recognised by value: it still carries its
+            release), or public priors. Never priors counted on the private
+            labels without noise: they would be an unaccounted release.
         tau: the adjustment's scale (``0``: the plain cross-entropy).
         class_weighting: multiply each example's loss by its class weight.
         from_logits: must be ``True`` (the adjustment is on logits).
@@ -267,8 +275,10 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         # The release these priors came from, which the PrivacyAccountant requires
         # among its extra_events (a plain vector is taken as public priors).
         # It is saved with the loss (get_config), so a reloaded model still needs it.
-        self._release = ((priors.noise_multiplier, max(priors.num_releases, 1))
-                         if isinstance(priors, DPClassPriors) else None)
+        source = (priors if isinstance(priors, DPClassPriors)
+                  else _RELEASED.get(self.priors.tobytes()))
+        self._release = (None if source is None
+                         else (source.noise_multiplier, max(source.num_releases, 1)))
         self.tau = tau
         self.class_weighting = bool(class_weighting)
         self.from_logits = True
