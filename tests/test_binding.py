@@ -195,3 +195,6 @@ def test_a_dp_fit_on_a_dataset_does_not_warn_about_shuffling():
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert bool(shuffle_warnings(model, shuffle=True)) == bool(
         shuffle_warnings(plain, shuffle=True))
+    # a model without the DP step keeps Keras's own default, warning included
+    assert "fit" in vars(plain)     # guarded: DP-trained weights exist in this process
+    assert bool(shuffle_warnings(plain)) == bool(shuffle_warnings(plain, shuffle=True))

@@ -285,9 +285,11 @@ def _guarded_fit(self, *args, **kwargs):
         kwargs.get("validation_split", args[6] if len(args) > 6 else 0.0),
         kwargs.get("validation_data", args[7] if len(args) > 7 else None))
     x = kwargs.get("x", args[0] if args else None)
-    if isinstance(x, tf.data.Dataset) and len(args) <= 8 and "shuffle" not in kwargs:
+    if (isinstance(x, tf.data.Dataset) and len(args) <= 8 and "shuffle" not in kwargs
+            and is_bound_to_dp_step(self)):
         # Keras ignores `shuffle` for a dataset but warns about its default; a DP
-        # fit's Poisson batches must not be reshuffled, and are not
+        # fit's Poisson batches must not be reshuffled, and are not. A model
+        # without the DP step (guarded for the DP weights it holds) is left as is.
         kwargs["shuffle"] = False
     try:
         # a refusal the step decides on the batch's values raises in words
