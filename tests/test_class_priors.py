@@ -269,6 +269,11 @@ def test_the_released_vector_carries_its_release_like_the_object():
     returned = priors.release([0] * 30 + [1] * 10)
     for given in (priors.priors, returned, list(priors.priors)):
         assert LASCCE(given).release_event == priors.dp_event()
+    # only the returned vector kept, the DPClassPriors object gone
+    kept = DPClassPriors(2, noise_multiplier=7.0, seed=2).release([0] * 30 + [1] * 10)
+    import gc
+    gc.collect()
+    assert LASCCE(kept).release_event == DPClassPriors(2, noise_multiplier=7.0).dp_event()
     assert LASCCE([0.75, 0.25]).release_event is None
 
 

@@ -28,7 +28,6 @@ bound) is unchanged. Its optional class weights ``min(prior) / prior[y]`` lie in
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import dp_accounting
@@ -182,7 +181,8 @@ class DPClassPriors:
         # Post-processing of the release only.
         floored = np.maximum(self.released_counts, self.min_count)
         self.priors = floored / floored.sum()
-        _RELEASED[_as_priors(self.priors).tobytes()] = self
+        _RELEASED[_as_priors(self.priors).tobytes()] = (self.noise_multiplier,
+                                                        self.num_releases)
         return self.priors.copy()
 
     def dp_event(self) -> dp_accounting.DpEvent:
@@ -211,9 +211,10 @@ def _class_weights(priors):
     return np.min(priors) / priors
 
 
-# The priors vectors released so far, by value: a loss given one of them as a plain
-# vector (``priors.priors``, or ``release``'s return) still carries its release.
-_RELEASED = weakref.WeakValueDictionary()
+# The priors vectors released so far, by value -> (noise multiplier, releases up to
+# and including that one): a loss given one as a plain vector (``priors.priors``, or
+# ``release``'s return, also once the DPClassPriors object is gone) carries its release.
+_RELEASED = {}
 
 
 def _as_priors(priors):
@@ -275,10 +276,9 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         # The release these priors came from, which the PrivacyAccountant requires
         # among its extra_events (a plain vector is taken as public priors).
         # It is saved with the loss (get_config), so a reloaded model still needs it.
-        source = (priors if isinstance(priors, DPClassPriors)
-                  else _RELEASED.get(self.priors.tobytes()))
-        self._release = (None if source is None
-                         else (source.noise_multiplier, max(source.num_releases, 1)))
+        self._release = ((priors.noise_multiplier, max(priors.num_releases, 1))
+                         if isinstance(priors, DPClassPriors)
+                         else _RELEASED.get(self.priors.tobytes()))
         self.tau = tau
         self.class_weighting = bool(class_weighting)
         self.from_logits = True
