@@ -35,12 +35,6 @@ import utility_suite  # noqa: E402
 import utility_tasks  # noqa: E402
 
 
-def _balanced(model, x, y, classes):
-    predicted = np.argmax(model.predict(x, batch_size=1024, verbose=0), -1)
-    return float(np.mean([np.mean(predicted[y == c] == c) for c in range(classes)
-                          if np.any(y == c)]))
-
-
 def non_private_balanced_best(splits, classes):
     """The best non-private probe by validation balanced accuracy, over the suite's
     rates, each with plain and with class-balanced loss weights (N / (K n_c))."""
@@ -58,7 +52,7 @@ def non_private_balanced_best(splits, classes):
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             model.fit(x, y, batch_size=64, epochs=30, verbose=0,
                       class_weight=balanced_weights if weighted else None)
-            val = _balanced(model, xv, yv, classes)
+            val = float(np.mean(utility_suite._test_scores(model, xv, yv)["test_recall"]))
             if best is None or val > best[0]:
                 best = (val, lr, weighted, utility_suite._test_scores(model, xt, yt))
     return {"validation_balanced": best[0], "learning_rate": best[1],
