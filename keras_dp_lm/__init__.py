@@ -53,6 +53,7 @@ _EXPORTS = {
     "is_dp_optimizer": "keras_dp_lm.optimizers",
     "make_dp_optimizer": "keras_dp_lm.optimizers",
     "attach_real_slots": "keras_dp_lm.data",
+    "DPClassMeans": "keras_dp_lm.data",
     "DPFeatureNormalization": "keras_dp_lm.data",
     "poisson_batches": "keras_dp_lm.data",
     "poisson_user_batches": "keras_dp_lm.data",

@@ -1,5 +1,6 @@
 """Releases that layers of the trained model made about its training data
-(``DPFeatureNormalization``'s DP mean) must be in the accountant's total."""
+(``DPFeatureNormalization``'s DP mean, ``DPClassMeans``' class means) must be
+in the accountant's total."""
 
 from keras_dp_lm.data.feature_normalization import is_release_layer
 from keras_dp_lm.errors import PrivacyRefusalError
@@ -7,7 +8,8 @@ from keras_dp_lm._keras_internals import flatten_layers
 
 
 def check_feature_releases(model, extra_events, unit, applied=0):
-    """Refuse a model holding a ``DPFeatureNormalization`` whose current releases
+    """Refuse a model holding a release layer (``DPFeatureNormalization``,
+    ``DPClassMeans``) whose current releases
     are not among ``extra_events``, or whose privacy unit is not the training's
     (``unit``: ``"example"`` or ``"user"``; ``None`` when the accountant cannot
     know it before the first update). Returns True when such a layer exists and
@@ -23,7 +25,8 @@ def check_feature_releases(model, extra_events, unit, applied=0):
             pending = True
         elif layer.privacy_unit != unit:
             raise PrivacyRefusalError(
-                f"{layer.name!r} released its mean with one {layer.privacy_unit} as the "
+                f"{layer.name!r} released statistics of this training data with one "
+                f"{layer.privacy_unit} as the "
                 f"privacy unit, but this training protects one {unit}: adapt it again "
                 f"{'with' if unit == 'user' else 'without'} `user_ids` (a user with k "
                 "records moves a per-record mean k times as far)"
@@ -34,7 +37,7 @@ def check_feature_releases(model, extra_events, unit, applied=0):
             accounted.remove(layer.dp_event())
         else:
             raise PrivacyRefusalError(
-                f"{layer.name!r} released the mean of this training data "
+                f"{layer.name!r} released statistics of this training data "
                 f"{layer.num_releases} time(s), and that is not in the accountant's "
                 "extra_events: pass PrivacyAccountant(extra_events=[layer.dp_event()]) "
                 "(suggest_recipe(extra_events=[layer.dp_event()]) after the last adapt "

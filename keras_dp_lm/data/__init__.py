@@ -1,8 +1,10 @@
 """Batches for DP-SGD: Poisson sampling (of examples, or of users for
 user-level DP), padding with a real-slot mask the DP step owns;
 ``DPFeatureNormalization``, frozen features centred on a DP mean; and
-``DPClassPriors``, a DP label histogram for ``LogitAdjustedSparseCategoricalCrossentropy``."""
+``DPClassPriors``, a DP label histogram for ``LogitAdjustedSparseCategoricalCrossentropy``;
+``DPClassMeans``, a head made of DP class means (one release, no training)."""
 
+from keras_dp_lm.data.class_means import DPClassMeans
 from keras_dp_lm.data.class_priors import DPClassPriors
 from keras_dp_lm.data.class_priors import LogitAdjustedSparseCategoricalCrossentropy
 from keras_dp_lm.data.draws import OVERFLOW_MODES
@@ -19,7 +21,7 @@ from keras_dp_lm.data.real_slots import split_real_slots
 from keras_dp_lm.data.users import poisson_user_batches
 from keras_dp_lm.data.users import records_per_user
 
-__all__ = ["DPClassPriors", "DPFeatureNormalization",
+__all__ = ["DPClassMeans", "DPClassPriors", "DPFeatureNormalization",
            "LogitAdjustedSparseCategoricalCrossentropy", "OVERFLOW_MODES", "PADDING_MODES",
            "padding_buckets",
            "PoissonOverflowError", "attach_real_slots", "iter_poisson_batches",

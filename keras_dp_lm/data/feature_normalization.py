@@ -60,7 +60,8 @@ _CALLS = threading.local()
 
 @contextlib.contextmanager
 def recording_release_calls():
-    """Collect the :class:`DPFeatureNormalization` layers called inside the block.
+    """Collect the release layers (:class:`DPFeatureNormalization`,
+    ``DPClassMeans``) called inside the block.
 
     The DP train step traces the model's forward pass in this block and refuses
     a release layer the model does not list among its layers (called from a
@@ -86,9 +87,18 @@ def recording_release_calls():
         collectors.remove(called)
 
 
+def note_release_call(layer):
+    """Tell every open :func:`recording_release_calls` block that ``layer`` (a
+    release layer) was called: each release layer's ``call`` starts with it."""
+    for called in getattr(_CALLS, "collectors", ()):
+        if all(seen is not layer for seen in called):
+            called.append(layer)
+
+
 def is_release_layer(layer):
-    """Whether ``layer`` is a :class:`DPFeatureNormalization` (by a class marker:
-    one made before an ``importlib.reload`` of this module still counts)."""
+    """Whether ``layer`` releases statistics of its training data
+    (:class:`DPFeatureNormalization`, :class:`~keras_dp_lm.data.DPClassMeans`),
+    by a class marker: one made before an ``importlib.reload`` still counts."""
     return getattr(type(layer), "_keras_dp_lm_release_layer", False) is True
 
 
@@ -262,9 +272,7 @@ class DPFeatureNormalization(keras.layers.Layer):
         return np.random.SeedSequence(self.seed, spawn_key=(index,))
 
     def call(self, inputs: tf.Tensor) -> tf.Tensor:
-        for called in getattr(_CALLS, "collectors", ()):
-            if all(layer is not self for layer in called):
-                called.append(self)
+        note_release_call(self)
         if not self._has_mean:
             raise ValueError("DPFeatureNormalization has no mean yet: call `adapt(features)` "
                              "on the training features first (or load saved weights).")

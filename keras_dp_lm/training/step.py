@@ -336,7 +336,7 @@ dp_train_step._keras_dp_lm_dp_step = True  # what binding.is_bound_to_dp_step re
 
 def _refuse_unlisted_releases(model, called):
     """Refuse, while the step is traced (before any update), a release layer
-    (``DPFeatureNormalization``) that the forward pass called but the model does
+    (``DPFeatureNormalization``, ``DPClassMeans``) that the forward pass called but the model does
     not list among its layers: inside a ``keras.layers.Lambda``, or a layer held
     outside the model and called from a custom ``call``. The accountant finds
     release layers by walking the model, so it would leave that release out of
@@ -347,7 +347,8 @@ def _refuse_unlisted_releases(model, called):
         names = ", ".join(repr(layer.name) for layer in unlisted)
         raise PrivacyRefusalError(
             f"keras_dp_lm refused the DP step: the forward pass calls {names} "
-            "(DPFeatureNormalization, a release of the training data's mean) but the "
+            "(a DPFeatureNormalization or DPClassMeans layer: a release of statistics of "
+            "the training data) but the "
             "model does not list it among its layers, so the PrivacyAccountant "
             "cannot find it and would leave its release out of the total epsilon. "
             "Use the layer as a layer of the model (keras.Sequential / the functional "
