@@ -113,6 +113,43 @@ def run_task(name, data_dir, repeats, variants):
     return row
 
 
+def _rare(runs, eps=None):
+    """(balanced accuracy, rare-class recall), %, means over ``runs`` (class 1 is
+    the rare one of an unbalanced task)."""
+    runs = runs if eps is None else runs[f"eps{eps:g}"]
+    recall = np.mean([r["test_recall"] for r in runs], axis=0)
+    return 100 * recall.mean(), 100 * recall[1]
+
+
+def bar_markdown(rows):
+    """Issue 52's bar, every row. Unbalanced tasks: balanced accuracy / rare recall,
+    the gap at epsilon 8 and the three parts of the bar. Suite tasks: balanced
+    accuracy / lowest recall and the gap where the bar reads it (epsilon 3 with at
+    least 400 in the smallest class, epsilon 8 below)."""
+    lines = ["| task | N / smallest class | probe | row | eps 3 | eps 8 | gap (at eps) | "
+             "bar | largest total epsilon (3 / 8) |", "|---|---|---:|---|---:|---:|---:|---|---:|"]
+    for row in rows:
+        unbalanced = "unbalanced" in row["kind"]
+        score = _rare if unbalanced else (lambda runs, eps=None: balanced_heads._scores(
+            runs if eps is None else runs[f"eps{eps:g}"])[1:])
+        probe = score([row["non_private_balanced"]])
+        bar_eps = 8.0 if unbalanced or row["smallest_class"] < 400 else 3.0
+        for variant, runs in row["variants"].items():
+            eps3, eps8 = score(runs, 3.0), score(runs, 8.0)
+            gap = (eps8 if bar_eps == 8.0 else eps3)[0] - probe[0]
+            parts = [gap >= -3]
+            if unbalanced:
+                parts += [eps8[1] >= probe[1] / 2, eps3[1] >= 5]
+            verdict = " / ".join("yes" if ok else "**no**" for ok in parts)
+            spent = " / ".join(f"{max(r['total_epsilon'] for r in runs[f'eps{eps:g}']):.4f}"
+                               for eps in utility_suite.EPSILONS)
+            lines.append(f"| {row['task']} | {row['train_size']:,} / {row['smallest_class']:,}"
+                         f" | {probe[0]:.1f} / {probe[1]:.1f} | {variant} | {eps3[0]:.1f} / "
+                         f"{eps3[1]:.1f} | {eps8[0]:.1f} / {eps8[1]:.1f} | {gap:+.1f} "
+                         f"({bar_eps:g}) | {verdict} | {spent} |")
+    return "\n".join(lines)
+
+
 def markdown(rows):
     """Balanced accuracy / smallest recall, %, and the gap to the probe, every row."""
     lines = ["| task | kind | N / smallest class | probe: balanced / lowest recall | row | "
@@ -141,9 +178,15 @@ def main(argv=None):
     parser.add_argument("--variants", nargs="*", default=["la_weights", "class_means"],
                         choices=["la_weights", "class_means"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--table", nargs="*", default=None, metavar="FILE",
+                        help="print the bar table of these JSON files and exit")
     parser.add_argument("--output", default=None, help="write the rows as JSON (appended "
                         "to the file's rows when it exists)")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print(bar_markdown([row for path in args.table
+                            for row in json.loads(Path(path).read_text())]))
+        return
     rows = []
     if args.output and Path(args.output).exists():
         rows = json.loads(Path(args.output).read_text())
