@@ -13,6 +13,7 @@ from keras_dp_lm.data import DPFeatureNormalization
 from keras_dp_lm.data.class_means import class_mean_logits
 from keras_dp_lm.data.feature_normalization import COUNT_NOISE_SCALE
 from keras_dp_lm.data.feature_normalization import release_sensitivity
+from keras_dp_lm.data.releases import CLASS_MEANS_STREAM
 from keras_dp_lm.recipes import suggest_recipe
 from keras_dp_lm.training.model_ledgers import ledger_of
 
@@ -40,7 +41,7 @@ def test_the_release_is_the_naive_per_example_sums_plus_the_drawn_noise():
         norm = np.sqrt(np.sum(row ** 2))
         sums[label] += row * min(1.0, 2.0 / norm) / 2.0
         counts[label] += 1
-    draws = np.random.default_rng(np.random.SeedSequence(7, spawn_key=(0,)))
+    draws = np.random.default_rng(np.random.SeedSequence(7, spawn_key=(CLASS_MEANS_STREAM, 0)))
     noise_sums = draws.normal(0.0, SIGMA, (3, 5))
     noise_counts = draws.normal(0.0, COUNT_NOISE_SCALE * SIGMA, 3)
     np.testing.assert_allclose(layer.released_sums, sums + noise_sums, rtol=1e-12)
@@ -193,8 +194,9 @@ def test_refusals_name_the_problem():
         DPClassMeans(2, 0.0)
     with pytest.raises(ValueError, match="num_classes"):
         DPClassMeans(1, SIGMA)
-    with pytest.raises(ValueError, match="max_norm"):
-        DPClassMeans(2, SIGMA, max_norm=0)
+    for max_norm in (0, 1e-200, 1e200):
+        with pytest.raises(ValueError, match="max_norm"):
+            DPClassMeans(2, SIGMA, max_norm=max_norm)
     layer = DPClassMeans(2, SIGMA, seed=0)
     with pytest.raises(ValueError, match=r"no release yet.*adapt\(features, labels\)"):
         layer(np.ones((1, 4), "float32"))
@@ -258,3 +260,100 @@ def test_a_call_inside_a_lambda_is_refused_before_any_update():
         model.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
                   verbose=0)
     assert ledger_of(model).updates == 0
+
+
+@pytest.mark.parametrize("row_scale", [1e-170, 1e-300, 1e155, 1e300])
+def test_rows_of_extreme_magnitude_move_the_release_no_more_than_the_event_claims(row_scale):
+    """Before: a row of 1e-170 had a float64 norm of 0 and, with a max_norm under
+    1e-154, was divided by max_norm instead of scaled down (a move of 1e30 against
+    1.03). Norms are computed without under- or overflow, and max_norm is bounded."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 5)), np.arange(20) % 3
+    bound = 1.0 / DPClassMeans(3, SIGMA).dp_event().noise_multiplier
+    for max_norm in (1e-100, 1.0, 1e100):
+        added = np.concatenate([x, np.full((1, 5), row_scale)])
+        moved = np.linalg.norm(_release(x, y, max_norm=max_norm)
+                               - _release(added, np.append(y, 1), max_norm=max_norm)) / SIGMA
+        assert moved <= bound * (1 + 1e-9), (max_norm, moved)
+
+
+def test_one_seed_on_two_release_layers_draws_independent_noise():
+    """Before: release 0 of DPFeatureNormalization and of DPClassMeans (and of
+    DPClassPriors) with one seed drew the same normals, so a public difference of
+    the releases cancelled the noise. Each release class has its own stream."""
+    from keras_dp_lm.data import DPClassPriors
+
+    x, y = np.zeros((4, 64)), np.array([0, 1, 0, 1])
+    norm = DPFeatureNormalization(noise_multiplier=SIGMA, seed=0)
+    norm.adapt(x + 1.0)  # unit rows, so the noiseless sum is known
+    means = DPClassMeans(2, SIGMA, seed=0)
+    means.adapt(x, y)
+    priors = DPClassPriors(2, noise_multiplier=SIGMA, seed=0)
+    priors.release(y)
+    noise_norm = norm.released_sum - 4 * np.ones(64) / 8.0
+    noise_means = means.released_sums[0]
+    assert abs(np.corrcoef(noise_norm, noise_means)[0, 1]) < 0.5
+    assert not np.allclose(priors.released_counts - 2, noise_means[:2])
+    assert not np.allclose(priors.released_counts - 2, noise_norm[:2])
+
+
+def test_the_release_count_survives_set_weights_and_is_never_lowered():
+    """Before: set_weights into a fresh layer left num_releases at 0 (one event
+    instead of 3), and a later adapt restarted the count."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(50, 4)), rng.integers(0, 2, 50)
+    means = DPClassMeans(2, SIGMA)
+    for _ in range(3):
+        means.adapt(x, y)
+    fresh = DPClassMeans(2, SIGMA)
+    fresh.build((None, 4))
+    fresh.set_weights(means.get_weights())
+    assert fresh.num_releases == 3 and fresh.dp_event() == means.dp_event()
+    fresh.adapt(x, y)
+    assert fresh.num_releases == 4
+    # loading an older copy (1 release) into a layer that made 4 keeps 4
+    older = DPClassMeans(2, SIGMA)
+    older.adapt(x, y)
+    fresh.set_weights(older.get_weights())
+    assert fresh.num_releases == 4
+    assert fresh.dp_event() == dp_accounting.ComposedDpEvent([older.dp_event()] * 4)
+
+
+def test_the_noise_level_is_read_only_after_a_release():
+    """Before: setting noise_multiplier after two releases at sigma 2 made their
+    event say epsilon 0.28 instead of 3.42."""
+    from keras_dp_lm.data import DPClassPriors
+
+    means = DPClassMeans(2, SIGMA)
+    means.noise_multiplier = 3.0  # before any release: allowed
+    means.adapt(np.eye(4), np.array([0, 1, 0, 1]))
+    norm = DPFeatureNormalization()
+    norm.adapt(np.eye(4) + 1.0)
+    priors = DPClassPriors(2)
+    priors.release(np.array([0, 1, 0, 1]))
+    for layer in (means, norm, priors):
+        spent = layer.dp_event()
+        with pytest.raises(AttributeError, match="cannot change after a release"):
+            layer.noise_multiplier = 20.0
+        assert layer.dp_event() == spent
+
+
+@pytest.mark.parametrize("bad", [np.nan, None])
+def test_unknown_user_ids_are_refused_not_merged_into_one_user(bad):
+    """Before: NaN ids were one user to np.unique, so two people with unknown ids
+    moved a user-level release by 1.44 against a claim of 1.03."""
+    from keras_dp_lm.data import DPClassPriors
+    from keras_dp_lm.data import poisson_user_batches
+
+    x, y = np.eye(4), np.array([0, 1, 0, 1])
+    users = np.array([1.0, 2.0, bad, bad], dtype=float if bad is not None else object)
+    match = "NaN or infinite" if bad is not None else "None"
+    with pytest.raises(ValueError, match=match):
+        DPClassMeans(2, SIGMA).adapt(x, y, user_ids=users)
+    with pytest.raises(ValueError, match=match):
+        DPFeatureNormalization().adapt(x, user_ids=users)
+    with pytest.raises(ValueError, match=match):
+        DPClassPriors(2).release(y, user_ids=users)
+    with pytest.raises(ValueError, match=match):
+        poisson_user_batches((x, y), users, sampling_rate=0.5, max_users=4,
+                             examples_per_user=1)

@@ -291,7 +291,7 @@ def test_refusals_name_the_problem():
         priors.release([0, 1, 2])
     with pytest.raises(ValueError, match="integer class ids"):
         priors.release([0.5, 1.0])
-    with pytest.raises(ValueError, match="`user_ids` must have shape"):
+    with pytest.raises(ValueError, match="`user_ids` must have one entry per record"):
         priors.release([0, 1], user_ids=[0])
     assert priors.num_releases == 0  # nothing released by a refused call
     with pytest.raises(ValueError, match="no priors yet"):

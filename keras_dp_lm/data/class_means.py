@@ -45,6 +45,11 @@ from keras_dp_lm.data.feature_normalization import HEAD_FEATURE_NORM
 from keras_dp_lm.data.feature_normalization import PRIVACY_UNITS
 from keras_dp_lm.data.feature_normalization import note_release_call
 from keras_dp_lm.data.feature_normalization import release_sensitivity
+from keras_dp_lm.data.releases import CLASS_MEANS_STREAM
+from keras_dp_lm.data.releases import SetUntilReleased
+from keras_dp_lm.data.releases import noise_generator
+from keras_dp_lm.data.releases import sync_release_count
+from keras_dp_lm.data.releases import user_index
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -53,6 +58,8 @@ if TYPE_CHECKING:
 # Floor of the within-class spread (per coordinate, times d): keeps the logits
 # finite when a noised release says the classes have no spread at all.
 MIN_SPREAD = 1e-3
+# max_norm outside this range is refused: row norms are computed in float64.
+MAX_NORM_RANGE = (1e-100, 1e100)
 
 
 @keras.saving.register_keras_serializable(package="keras_dp_lm")
@@ -84,11 +91,14 @@ class DPClassMeans(keras.layers.Layer):
         noise_multiplier: std of the noise on every coordinate of the
             (norm <= 1) class sums, > 0; the counts' is ``COUNT_NOISE_SCALE``
             times larger. :meth:`for_budget` picks it for a target epsilon.
+            Read-only after the first release.
         max_norm: input rows are scaled down to this norm before they count
-            (the release's sensitivity does not depend on the inputs).
+            (the release's sensitivity does not depend on the inputs);
+            between 1e-100 and 1e100.
         seed: seed of the noise (``None``: OS entropy); release ``i`` draws
-            from ``(seed, i)``. For tests only: two layers with one seed on
-            neighbouring data draw the same noise, which voids the guarantee.
+            from its own stream of ``seed``, apart from the other release
+            classes'. For tests only: two of these layers with one seed draw
+            the same noise, which voids the guarantee.
         num_releases, privacy_unit: the releases made so far and their unit
             (restored by ``from_config``; leave them alone).
 
@@ -103,10 +113,9 @@ class DPClassMeans(keras.layers.Layer):
         >>> rng = np.random.default_rng(0)
         >>> labels = (rng.random(2000) < 0.1).astype("int32")       # 10% rare
         >>> features = rng.normal(0.0, 1.0, (2000, 8)) + 1.5 * labels[:, None]
-        >>> norm = DPFeatureNormalization(seed=0)
+        >>> norm = DPFeatureNormalization()
         >>> norm.adapt(features)
-        >>> means = DPClassMeans.for_budget(2, 3.0, 1e-6, extra_events=[norm.dp_event()],
-        ...                                 seed=0)
+        >>> means = DPClassMeans.for_budget(2, 3.0, 1e-6, extra_events=[norm.dp_event()])
         >>> means.adapt(norm(features), labels)
         >>> head = keras.Sequential([keras.Input((8,)), norm, means])
         >>> predicted = head.predict(features, verbose=0).argmax(-1)
@@ -117,6 +126,7 @@ class DPClassMeans(keras.layers.Layer):
     """
 
     _keras_dp_lm_release_layer = True  # what is_release_layer reads (reload-proof)
+    noise_multiplier = SetUntilReleased()
 
     def __init__(self, num_classes: int, noise_multiplier: float,
                  max_norm: float = HEAD_FEATURE_NORM, seed: int | None = None,
@@ -133,8 +143,9 @@ class DPClassMeans(keras.layers.Layer):
             raise ValueError("`noise_multiplier` must be > 0: class means released without "
                              "noise are not differentially private.")
         max_norm = float(max_norm)
-        if not max_norm > 0:
-            raise ValueError(f"`max_norm` must be > 0, got {max_norm!r}.")
+        if not MAX_NORM_RANGE[0] <= max_norm <= MAX_NORM_RANGE[1]:
+            raise ValueError(f"`max_norm` must lie in [{MAX_NORM_RANGE[0]:g}, "
+                             f"{MAX_NORM_RANGE[1]:g}], got {max_norm!r}.")
         self.max_norm = max_norm
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
@@ -179,8 +190,11 @@ class DPClassMeans(keras.layers.Layer):
 
     def load_own_variables(self, store: Mapping[str, Any]) -> None:
         super().load_own_variables(store)
-        self.num_releases = max(self.num_releases, int(self.releases.numpy()))
-        self._has_release = self.num_releases > 0
+        self._has_release = sync_release_count(self) > 0
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        super().set_weights(weights)
+        self._has_release = sync_release_count(self) > 0
 
     def adapt(self, features: ArrayLike, labels: ArrayLike,
               user_ids: ArrayLike | None = None) -> None:
@@ -208,23 +222,20 @@ class DPClassMeans(keras.layers.Layer):
                              f"{'given' if self.privacy_unit == 'user' else 'None'}).")
         weights = np.ones(len(y))
         if user_ids is not None:
-            users = np.asarray(user_ids)
-            if users.shape != y.shape:
-                raise ValueError(f"`user_ids` must have shape {y.shape}, got {users.shape}.")
-            _, index, per_user = np.unique(users, return_inverse=True, return_counts=True)
+            index, per_user = user_index(user_ids, len(y))
             weights = 1.0 / per_user[index]
         if not self.built:
             self.build(x.shape)
         elif self.kernel.shape[0] != x.shape[1]:
             raise ValueError(f"The layer was built for {self.kernel.shape[0]} features, got "
                              f"{x.shape[1]}.")
-        scaled = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), self.max_norm)
+        scaled = x / np.maximum(_row_norms(x), self.max_norm)
+        # Rounding can leave a row a hair above norm 1: scale it back.
+        scaled /= np.maximum(_row_norms(scaled), 1.0)
         sums = np.zeros((self.num_classes, x.shape[1]))
         np.add.at(sums, y, scaled * weights[:, None])
         counts = np.bincount(y, weights=weights, minlength=self.num_classes)
-        seed = (None if self.seed is None
-                else np.random.SeedSequence(self.seed, spawn_key=(self.num_releases,)))
-        rng = np.random.default_rng(seed)
+        rng = noise_generator(self.seed, sync_release_count(self), CLASS_MEANS_STREAM)
         self.num_releases += 1  # counted as soon as the noise is drawn
         self.privacy_unit = unit
         self.releases.assign(self.num_releases)
@@ -254,9 +265,11 @@ class DPClassMeans(keras.layers.Layer):
     def dp_event(self) -> dp_accounting.DpEvent:
         """The ``dp_accounting`` event of every release (the planned one before
         the first ``adapt``): ``GaussianDpEvent(noise_multiplier /
-        release_sensitivity())`` per release."""
+        release_sensitivity())`` per release. Copying the released ``kernel`` and
+        ``bias`` into another layer (a warm start) is this release too: count
+        this event wherever those weights go."""
         one = dp_accounting.GaussianDpEvent(self.noise_multiplier / release_sensitivity())
-        count = max(self.num_releases, 1)
+        count = max(sync_release_count(self) if self.built else self.num_releases, 1)
         return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
 
     def get_config(self) -> dict[str, Any]:
@@ -265,6 +278,14 @@ class DPClassMeans(keras.layers.Layer):
                       max_norm=self.max_norm, seed=self.seed,
                       num_releases=self.num_releases, privacy_unit=self.privacy_unit)
         return config
+
+
+def _row_norms(x):
+    """``[N, 1]`` L2 norms of float64 rows without overflow or underflow (each row
+    divided by its largest magnitude first)."""
+    peak = np.max(np.abs(x), axis=1, keepdims=True)
+    safe = np.where(peak > 0, peak, 1.0)
+    return peak * np.linalg.norm(x / safe, axis=1, keepdims=True)
 
 
 def class_mean_logits(sums: np.ndarray, counts: np.ndarray,

@@ -35,6 +35,10 @@ import keras
 import numpy as np
 
 from keras_dp_lm.accounting._arguments import check_noise
+from keras_dp_lm.data.releases import PRIORS_STREAM
+from keras_dp_lm.data.releases import SetUntilReleased
+from keras_dp_lm.data.releases import noise_generator
+from keras_dp_lm.data.releases import user_index
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -114,6 +118,8 @@ class DPClassPriors:
         True
     """
 
+    noise_multiplier = SetUntilReleased()
+
     def __init__(self, num_classes: int, noise_multiplier: float = PRIOR_NOISE_MULTIPLIER,
                  min_count: float = MIN_COUNT, seed: int | None = None) -> None:
         if (isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer))
@@ -152,10 +158,7 @@ class DPClassPriors:
                              f"{self.num_classes}).")
         if user_ids is None:
             return np.bincount(y, minlength=self.num_classes).astype("float64")
-        users = np.asarray(user_ids)
-        if users.shape != y.shape:
-            raise ValueError(f"`user_ids` must have shape {y.shape}, got {users.shape}.")
-        _, index, per_user = np.unique(users, return_inverse=True, return_counts=True)
+        index, per_user = user_index(user_ids, len(y))
         counts = np.zeros(self.num_classes)
         # each user's histogram sums to 1 (L1 1, hence L2 <= 1)
         np.add.at(counts, y, 1.0 / per_user[index])
@@ -171,9 +174,7 @@ class DPClassPriors:
                              f"release again with the same unit (`user_ids` "
                              f"{'given' if self.privacy_unit == 'user' else 'None'}).")
         counts = self._histogram(labels, user_ids)
-        seed = (None if self.seed is None
-                else np.random.SeedSequence(self.seed, spawn_key=(self.num_releases,)))
-        rng = np.random.default_rng(seed)
+        rng = noise_generator(self.seed, self.num_releases, PRIORS_STREAM)
         self.num_releases += 1  # counted as soon as the noise is drawn
         self.privacy_unit = unit
         self.released_counts = counts + rng.normal(0.0, self.noise_multiplier,

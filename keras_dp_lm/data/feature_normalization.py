@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import dp_accounting
@@ -35,6 +35,10 @@ import keras
 import numpy as np
 
 from keras_dp_lm.accounting._arguments import check_noise
+from keras_dp_lm.data.releases import SetUntilReleased
+from keras_dp_lm.data.releases import noise_generator
+from keras_dp_lm.data.releases import sync_release_count
+from keras_dp_lm.data.releases import user_index
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -180,6 +184,7 @@ class DPFeatureNormalization(keras.layers.Layer):
     """
 
     _keras_dp_lm_release_layer = True  # what is_release_layer reads (reload-proof)
+    noise_multiplier = SetUntilReleased()
 
     def __init__(self, norm: float = HEAD_FEATURE_NORM,
                  noise_multiplier: float = MEAN_NOISE_MULTIPLIER, seed: int | None = None,
@@ -220,8 +225,11 @@ class DPFeatureNormalization(keras.layers.Layer):
 
     def load_own_variables(self, store: Mapping[str, Any]) -> None:
         super().load_own_variables(store)
-        self.num_releases = max(self.num_releases, int(self.releases.numpy()))
-        self._has_mean = self.num_releases > 0
+        self._has_mean = sync_release_count(self) > 0
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        super().set_weights(weights)
+        self._has_mean = sync_release_count(self) > 0
 
     def adapt(self, features: ArrayLike, user_ids: ArrayLike | None = None) -> None:
         """Release the DP mean of ``features`` (``[N, d]``), one more release.
@@ -242,11 +250,7 @@ class DPFeatureNormalization(keras.layers.Layer):
                              f"; adapt again with the same unit (`user_ids` "
                              f"{'given' if self.privacy_unit == 'user' else 'None'}).")
         if user_ids is not None:
-            users = np.asarray(user_ids)
-            if users.shape != (x.shape[0],):
-                raise ValueError(f"`user_ids` must have shape ({x.shape[0]},), got "
-                                 f"{users.shape}.")
-            _, index, per_user = np.unique(users, return_inverse=True, return_counts=True)
+            index, per_user = user_index(user_ids, x.shape[0])
             sums = np.zeros((len(per_user), x.shape[1]))
             np.add.at(sums, index, units)
             units = sums / per_user[:, None]
@@ -255,7 +259,7 @@ class DPFeatureNormalization(keras.layers.Layer):
         elif self.mean.shape[0] != x.shape[1]:
             raise ValueError(f"The layer was built for {self.mean.shape[0]} features, got "
                              f"{x.shape[1]}.")
-        rng = np.random.default_rng(self._release_seed(self.num_releases))
+        rng = noise_generator(self.seed, sync_release_count(self))
         self.num_releases += 1  # counted as soon as the noise is drawn
         self.privacy_unit = unit
         self.releases.assign(self.num_releases)
@@ -265,11 +269,6 @@ class DPFeatureNormalization(keras.layers.Layer):
         # Post-processing of the release: the divisor is the noised count.
         self.mean.assign((noisy_sum / max(noisy_count, 1.0)).astype(self.mean.dtype))
         self._has_mean = True
-
-    def _release_seed(self, index):
-        if self.seed is None:
-            return None
-        return np.random.SeedSequence(self.seed, spawn_key=(index,))
 
     def call(self, inputs: tf.Tensor) -> tf.Tensor:
         note_release_call(self)
@@ -293,7 +292,7 @@ class DPFeatureNormalization(keras.layers.Layer):
         the first ``adapt``): ``GaussianDpEvent(noise_multiplier /
         release_sensitivity())`` per release (the noised sum and count)."""
         one = dp_accounting.GaussianDpEvent(self.noise_multiplier / release_sensitivity())
-        count = max(self.num_releases, 1)
+        count = max(sync_release_count(self) if self.built else self.num_releases, 1)
         return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
 
     def get_config(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from keras_dp_lm.data.draws import _warn_overflow
 from keras_dp_lm.data.poisson import _finish_batch
 from keras_dp_lm.data.poisson import _flatten_examples
 from keras_dp_lm.data.poisson import _gather_masked
+from keras_dp_lm.data.releases import user_index
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -54,12 +55,7 @@ if TYPE_CHECKING:
 
 def _user_rows(user_ids, n):
     """``[rows of user 0, rows of user 1, ...]`` (int64 arrays) for ``n`` records."""
-    user_ids = np.asarray(user_ids)
-    if user_ids.ndim != 1 or len(user_ids) != n:
-        raise ValueError(
-            f"`user_ids` must have one entry per record ({n}); got shape "
-            f"{tuple(user_ids.shape)}.")
-    _, inverse = np.unique(user_ids, return_inverse=True)
+    inverse, _ = user_index(user_ids, n)
     order = np.argsort(inverse, kind="stable")
     bounds = np.flatnonzero(np.diff(inverse[order])) + 1
     return [part.astype(np.int64) for part in np.split(order, bounds)]
