@@ -59,7 +59,7 @@ OLDEST_TESTS := $(wildcard $(addprefix tests/,test_versions.py test_binding.py \
 	test_clipping_privacy.py test_optimizers.py \
 	test_accounting.py test_callbacks_accountant.py test_training.py \
 	test_ledger_workflows.py test_noise_corrected_adam.py test_saved_files.py \
-	test_feature_normalization.py))
+	test_feature_normalization.py test_class_means.py))
 
 $(VENV_OLDEST)/.installed: pyproject.toml ci/oldest-constraints.txt
 	rm -rf $(VENV_OLDEST)
