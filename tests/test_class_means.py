@@ -12,7 +12,7 @@ from keras_dp_lm.data import DPClassMeans
 from keras_dp_lm.data import DPFeatureNormalization
 from keras_dp_lm.data.class_means import class_mean_logits
 from keras_dp_lm.data.feature_normalization import COUNT_NOISE_SCALE
-from keras_dp_lm.data.feature_normalization import release_sensitivity
+from keras_dp_lm.data.releases import release_sensitivity
 from keras_dp_lm.data.releases import CLASS_MEANS_STREAM
 from keras_dp_lm.recipes import suggest_recipe
 from keras_dp_lm.training.model_ledgers import ledger_of
@@ -198,7 +198,7 @@ def test_refusals_name_the_problem():
         with pytest.raises(ValueError, match="max_norm"):
             DPClassMeans(2, SIGMA, max_norm=max_norm)
     layer = DPClassMeans(2, SIGMA, seed=0)
-    with pytest.raises(ValueError, match=r"no release yet.*adapt\(features, labels\)"):
+    with pytest.raises(ValueError, match=r"no class means yet.*call `adapt`"):
         layer(np.ones((1, 4), "float32"))
     with pytest.raises(ValueError, match=r"lie in \[0, 2\)"):
         layer.adapt(x, np.array([0, 1, 2, 1]))

@@ -11,7 +11,7 @@ from keras_dp_lm.accounting import ledger_events
 from keras_dp_lm.data import DPFeatureNormalization
 from keras_dp_lm.data.feature_normalization import COUNT_NOISE_SCALE
 from keras_dp_lm.data.feature_normalization import MEAN_NOISE_MULTIPLIER
-from keras_dp_lm.data.feature_normalization import release_sensitivity
+from keras_dp_lm.data.releases import release_sensitivity
 from keras_dp_lm.recipes import suggest_recipe
 from keras_dp_lm.training.model_ledgers import ledger_of
 

@@ -2,7 +2,7 @@
 (``DPFeatureNormalization``'s DP mean, ``DPClassMeans``' class means) must be
 in the accountant's total."""
 
-from keras_dp_lm.data.feature_normalization import is_release_layer
+from keras_dp_lm.data.releases import is_release_layer
 from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm._keras_internals import flatten_layers
 

@@ -32,23 +32,18 @@ logits' scale. Nothing divides by a private count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import dp_accounting
 import keras
 import numpy as np
 
-from keras_dp_lm.accounting._arguments import check_noise
-from keras_dp_lm.data.feature_normalization import COUNT_NOISE_SCALE
 from keras_dp_lm.data.feature_normalization import HEAD_FEATURE_NORM
-from keras_dp_lm.data.feature_normalization import PRIVACY_UNITS
-from keras_dp_lm.data.feature_normalization import note_release_call
-from keras_dp_lm.data.feature_normalization import release_sensitivity
 from keras_dp_lm.data.releases import CLASS_MEANS_STREAM
-from keras_dp_lm.data.releases import SetUntilReleased
-from keras_dp_lm.data.releases import noise_generator
-from keras_dp_lm.data.releases import sync_release_count
+from keras_dp_lm.data.releases import COUNT_NOISE_SCALE
+from keras_dp_lm.data.releases import ReleaseLayer
+from keras_dp_lm.data.releases import release_sensitivity
 from keras_dp_lm.data.releases import user_index
 
 if TYPE_CHECKING:
@@ -63,7 +58,7 @@ MAX_NORM_RANGE = (1e-100, 1e100)
 
 
 @keras.saving.register_keras_serializable(package="keras_dp_lm")
-class DPClassMeans(keras.layers.Layer):
+class DPClassMeans(ReleaseLayer):
     """A head whose logits come from DP class means (released once, not trained).
 
     ``adapt(features, labels)`` releases the noised per-class sums and counts of
@@ -125,40 +120,24 @@ class DPClassMeans(keras.layers.Layer):
         True
     """
 
-    _keras_dp_lm_release_layer = True  # what is_release_layer reads (reload-proof)
-    noise_multiplier = SetUntilReleased()
+    released = "a set of class means"
+    noise_stream = CLASS_MEANS_STREAM
 
     def __init__(self, num_classes: int, noise_multiplier: float,
                  max_norm: float = HEAD_FEATURE_NORM, seed: int | None = None,
                  num_releases: int = 0, privacy_unit: str = "example",
                  **kwargs: Any) -> None:
-        kwargs.setdefault("trainable", False)
-        super().__init__(**kwargs)
+        super().__init__(noise_multiplier, seed=seed, num_releases=num_releases,
+                         privacy_unit=privacy_unit, **kwargs)
         if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) \
                 or num_classes < 2:
             raise ValueError(f"`num_classes` must be an int >= 2, got {num_classes!r}.")
         self.num_classes = int(num_classes)
-        self.noise_multiplier = check_noise(noise_multiplier)
-        if self.noise_multiplier == 0:
-            raise ValueError("`noise_multiplier` must be > 0: class means released without "
-                             "noise are not differentially private.")
         max_norm = float(max_norm)
         if not MAX_NORM_RANGE[0] <= max_norm <= MAX_NORM_RANGE[1]:
             raise ValueError(f"`max_norm` must lie in [{MAX_NORM_RANGE[0]:g}, "
                              f"{MAX_NORM_RANGE[1]:g}], got {max_norm!r}.")
         self.max_norm = max_norm
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
-        self.seed = seed
-        if (isinstance(num_releases, bool) or not isinstance(num_releases, (int, np.integer))
-                or num_releases < 0):
-            raise ValueError(f"`num_releases` must be an int >= 0, got {num_releases!r}.")
-        if privacy_unit not in PRIVACY_UNITS:
-            raise ValueError(f"`privacy_unit` must be one of {PRIVACY_UNITS}, got "
-                             f"{privacy_unit!r}.")
-        self.num_releases = int(num_releases)
-        self.privacy_unit = privacy_unit
-        self._has_release = False  # set by adapt or by loading saved weights
         self.kernel = self.bias = None
         self.released_sums = self.released_counts = None
 
@@ -182,19 +161,7 @@ class DPClassMeans(keras.layers.Layer):
                                       trainable=False, name="kernel")
         self.bias = self.add_weight(shape=(self.num_classes,), initializer="zeros",
                                     trainable=False, name="bias")
-        # The release count travels with the weights (a fresh layer loading them
-        # must not restart it).
-        self.releases = self.add_weight(shape=(), initializer="zeros", dtype="int64",
-                                        trainable=False, name="releases")
-        self.releases.assign(self.num_releases)
-
-    def load_own_variables(self, store: Mapping[str, Any]) -> None:
-        super().load_own_variables(store)
-        self._has_release = sync_release_count(self) > 0
-
-    def set_weights(self, weights: Sequence[Any]) -> None:
-        super().set_weights(weights)
-        self._has_release = sync_release_count(self) > 0
+        self.add_release_count()
 
     def adapt(self, features: ArrayLike, labels: ArrayLike,
               user_ids: ArrayLike | None = None) -> None:
@@ -202,12 +169,7 @@ class DPClassMeans(keras.layers.Layer):
         under ``labels`` (``[N]`` class ids), one more release, and set the
         head from them. ``user_ids`` (``[N]``): the privacy unit is a user,
         whose rows count with total weight 1."""
-        x = np.asarray(features, dtype="float64")
-        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
-            raise ValueError(f"`features` must be a non-empty [N, d] array, got shape "
-                             f"{x.shape}.")
-        if not np.all(np.isfinite(x)):
-            raise ValueError("`features` contain NaN or infinite values.")
+        x = self.check_features(features)
         y = np.asarray(labels)
         if y.shape != (x.shape[0],) or not np.issubdtype(y.dtype, np.integer):
             raise ValueError(f"`labels` must be {x.shape[0]} integer class ids, got "
@@ -215,11 +177,7 @@ class DPClassMeans(keras.layers.Layer):
         if y.min() < 0 or y.max() >= self.num_classes:
             raise ValueError(f"`labels` must lie in [0, {self.num_classes}), got "
                              f"{int(y.min())}..{int(y.max())}.")
-        unit = "example" if user_ids is None else "user"
-        if self.num_releases and unit != self.privacy_unit:
-            raise ValueError(f"This layer's earlier releases protected one {self.privacy_unit}"
-                             f"; adapt again with the same unit (`user_ids` "
-                             f"{'given' if self.privacy_unit == 'user' else 'None'}).")
+        unit = self.check_unit(user_ids)
         weights = np.ones(len(y))
         if user_ids is not None:
             index, per_user = user_index(user_ids, len(y))
@@ -235,10 +193,7 @@ class DPClassMeans(keras.layers.Layer):
         sums = np.zeros((self.num_classes, x.shape[1]))
         np.add.at(sums, y, scaled * weights[:, None])
         counts = np.bincount(y, weights=weights, minlength=self.num_classes)
-        rng = noise_generator(self.seed, sync_release_count(self), CLASS_MEANS_STREAM)
-        self.num_releases += 1  # counted as soon as the noise is drawn
-        self.privacy_unit = unit
-        self.releases.assign(self.num_releases)
+        rng = self.begin_release(unit)
         sigma = self.noise_multiplier
         self.released_sums = sums + rng.normal(0.0, sigma, sums.shape)
         self.released_counts = counts + rng.normal(0.0, COUNT_NOISE_SCALE * sigma,
@@ -246,13 +201,9 @@ class DPClassMeans(keras.layers.Layer):
         kernel, bias = class_mean_logits(self.released_sums, self.released_counts, sigma)
         self.kernel.assign(kernel.astype(self.kernel.dtype))
         self.bias.assign(bias.astype(self.bias.dtype))
-        self._has_release = True
 
     def call(self, inputs: tf.Tensor) -> tf.Tensor:
-        note_release_call(self)
-        if not self._has_release:
-            raise ValueError("DPClassMeans has no release yet: call `adapt(features, labels)` "
-                             "on the training features first (or load saved weights).")
+        self.require_release("class means")
         ops = keras.ops
         x = ops.cast(inputs, self.compute_dtype)
         scaled = x / ops.maximum(ops.norm(x, axis=-1, keepdims=True), self.max_norm)
@@ -262,21 +213,9 @@ class DPClassMeans(keras.layers.Layer):
     def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         return (*input_shape[:-1], self.num_classes)
 
-    def dp_event(self) -> dp_accounting.DpEvent:
-        """The ``dp_accounting`` event of every release (the planned one before
-        the first ``adapt``): ``GaussianDpEvent(noise_multiplier /
-        release_sensitivity())`` per release. Copying the released ``kernel`` and
-        ``bias`` into another layer (a warm start) is this release too: count
-        this event wherever those weights go."""
-        one = dp_accounting.GaussianDpEvent(self.noise_multiplier / release_sensitivity())
-        count = max(sync_release_count(self) if self.built else self.num_releases, 1)
-        return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
-
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        config.update(num_classes=self.num_classes, noise_multiplier=self.noise_multiplier,
-                      max_norm=self.max_norm, seed=self.seed,
-                      num_releases=self.num_releases, privacy_unit=self.privacy_unit)
+        config.update(num_classes=self.num_classes, max_norm=self.max_norm)
         return config
 
 

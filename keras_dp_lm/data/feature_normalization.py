@@ -25,19 +25,13 @@ sum's sensitivity under add/remove, and its noise scale with the data too.)
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import dp_accounting
 import keras
 import numpy as np
 
-from keras_dp_lm.accounting._arguments import check_noise
-from keras_dp_lm.data.releases import SetUntilReleased
-from keras_dp_lm.data.releases import noise_generator
-from keras_dp_lm.data.releases import sync_release_count
+from keras_dp_lm.data.releases import COUNT_NOISE_SCALE
+from keras_dp_lm.data.releases import ReleaseLayer
 from keras_dp_lm.data.releases import user_index
 
 if TYPE_CHECKING:
@@ -52,65 +46,6 @@ HEAD_FEATURE_NORM = 4.0
 # is about 5 / N per coordinate. About epsilon 0.9 alone at delta 1e-6 with the
 # count (below), far less once composed with DP-SGD (PLD).
 MEAN_NOISE_MULTIPLIER = 5.0
-# The count's noise std is COUNT_NOISE_SCALE times the sum's: std 20 with the
-# default (2% of the mean's scale at N = 1,000), for a joint sensitivity of
-# sqrt(1 + 1 / 16) = 1.031 instead of 1.
-COUNT_NOISE_SCALE = 4.0
-PRIVACY_UNITS = ("example", "user")
-
-
-_CALLS = threading.local()
-
-
-@contextlib.contextmanager
-def recording_release_calls():
-    """Collect the release layers (:class:`DPFeatureNormalization`,
-    ``DPClassMeans``) called inside the block.
-
-    The DP train step traces the model's forward pass in this block and refuses
-    a release layer the model does not list among its layers (called from a
-    ``keras.layers.Lambda``, or a global layer called from a custom ``call``):
-    the accountant, which finds release layers by walking the model, would
-    leave its release out of the total.
-
-    Example:
-        >>> import numpy as np
-        >>> layer = DPFeatureNormalization(seed=0)
-        >>> layer.adapt(np.eye(3) + 1.0)
-        >>> with recording_release_calls() as called:
-        ...     _ = layer(np.ones((1, 3), "float32"))
-        >>> called == [layer]
-        True
-    """
-    collectors = _CALLS.__dict__.setdefault("collectors", [])
-    called = []
-    collectors.append(called)
-    try:
-        yield called
-    finally:
-        collectors.remove(called)
-
-
-def note_release_call(layer):
-    """Tell every open :func:`recording_release_calls` block that ``layer`` (a
-    release layer) was called: each release layer's ``call`` starts with it."""
-    for called in getattr(_CALLS, "collectors", ()):
-        if all(seen is not layer for seen in called):
-            called.append(layer)
-
-
-def is_release_layer(layer):
-    """Whether ``layer`` releases statistics of its training data
-    (:class:`DPFeatureNormalization`, :class:`~keras_dp_lm.data.DPClassMeans`),
-    by a class marker: one made before an ``importlib.reload`` still counts."""
-    return getattr(type(layer), "_keras_dp_lm_release_layer", False) is True
-
-
-def release_sensitivity() -> float:
-    """L2 sensitivity of the released pair ``(sum of unit vectors, count /
-    COUNT_NOISE_SCALE)`` under adding or removing one privacy unit, each
-    coordinate noised with the same std."""
-    return float(np.sqrt(1.0 + COUNT_NOISE_SCALE ** -2))
 
 
 def _unit_rows(x):
@@ -118,7 +53,7 @@ def _unit_rows(x):
 
 
 @keras.saving.register_keras_serializable(package="keras_dp_lm")
-class DPFeatureNormalization(keras.layers.Layer):
+class DPFeatureNormalization(ReleaseLayer):
     """Centre features on a DP mean, then rescale each to norm ``norm``.
 
     ``call(x)`` returns ``norm * unit(unit(x) - mean)`` per example (``unit``
@@ -183,53 +118,24 @@ class DPFeatureNormalization(keras.layers.Layer):
         >>> head = keras.Sequential([keras.Input((8,)), norm, keras.layers.Dense(2)])
     """
 
-    _keras_dp_lm_release_layer = True  # what is_release_layer reads (reload-proof)
-    noise_multiplier = SetUntilReleased()
+    released = "a mean"
 
     def __init__(self, norm: float = HEAD_FEATURE_NORM,
                  noise_multiplier: float = MEAN_NOISE_MULTIPLIER, seed: int | None = None,
                  num_releases: int = 0, privacy_unit: str = "example", **kwargs: Any) -> None:
-        kwargs.setdefault("trainable", False)
-        super().__init__(**kwargs)
+        super().__init__(noise_multiplier, seed=seed, num_releases=num_releases,
+                         privacy_unit=privacy_unit, **kwargs)
         norm = float(norm)
         if not norm > 0:
             raise ValueError(f"`norm` must be > 0, got {norm!r}.")
         self.norm = norm
-        self.noise_multiplier = check_noise(noise_multiplier)
-        if self.noise_multiplier == 0:
-            raise ValueError("`noise_multiplier` must be > 0: a mean released without "
-                             "noise is not differentially private.")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
-        self.seed = seed
-        if (isinstance(num_releases, bool) or not isinstance(num_releases, (int, np.integer))
-                or num_releases < 0):
-            raise ValueError(f"`num_releases` must be an int >= 0, got {num_releases!r}.")
-        if privacy_unit not in PRIVACY_UNITS:
-            raise ValueError(f"`privacy_unit` must be one of {PRIVACY_UNITS}, got "
-                             f"{privacy_unit!r}.")
-        self.num_releases = int(num_releases)
-        self.privacy_unit = privacy_unit
-        self._has_mean = False  # set by adapt or by loading saved weights
         self.mean = None
         self.released_sum = self.released_count = None  # the last adapt's release
 
     def build(self, input_shape: tuple[int | None, ...]) -> None:
         self.mean = self.add_weight(shape=(int(input_shape[-1]),), initializer="zeros",
                                     trainable=False, name="mean")
-        # The release count travels with the weights too (load_weights into a
-        # fresh layer must not restart it).
-        self.releases = self.add_weight(shape=(), initializer="zeros", dtype="int64",
-                                        trainable=False, name="releases")
-        self.releases.assign(self.num_releases)
-
-    def load_own_variables(self, store: Mapping[str, Any]) -> None:
-        super().load_own_variables(store)
-        self._has_mean = sync_release_count(self) > 0
-
-    def set_weights(self, weights: Sequence[Any]) -> None:
-        super().set_weights(weights)
-        self._has_mean = sync_release_count(self) > 0
+        self.add_release_count()
 
     def adapt(self, features: ArrayLike, user_ids: ArrayLike | None = None) -> None:
         """Release the DP mean of ``features`` (``[N, d]``), one more release.
@@ -237,18 +143,9 @@ class DPFeatureNormalization(keras.layers.Layer):
         ``user_ids`` (``[N]``): the privacy unit is a user; each user's unit
         vectors are averaged first and N is the number of users.
         """
-        x = np.asarray(features, dtype="float64")
-        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
-            raise ValueError(f"`features` must be a non-empty [N, d] array, got shape "
-                             f"{x.shape}.")
-        if not np.all(np.isfinite(x)):
-            raise ValueError("`features` contain NaN or infinite values.")
+        x = self.check_features(features)
         units = _unit_rows(x)
-        unit = "example" if user_ids is None else "user"
-        if self.num_releases and unit != self.privacy_unit:
-            raise ValueError(f"This layer's earlier releases protected one {self.privacy_unit}"
-                             f"; adapt again with the same unit (`user_ids` "
-                             f"{'given' if self.privacy_unit == 'user' else 'None'}).")
+        unit = self.check_unit(user_ids)
         if user_ids is not None:
             index, per_user = user_index(user_ids, x.shape[0])
             sums = np.zeros((len(per_user), x.shape[1]))
@@ -259,22 +156,15 @@ class DPFeatureNormalization(keras.layers.Layer):
         elif self.mean.shape[0] != x.shape[1]:
             raise ValueError(f"The layer was built for {self.mean.shape[0]} features, got "
                              f"{x.shape[1]}.")
-        rng = noise_generator(self.seed, sync_release_count(self))
-        self.num_releases += 1  # counted as soon as the noise is drawn
-        self.privacy_unit = unit
-        self.releases.assign(self.num_releases)
+        rng = self.begin_release(unit)
         noisy_sum = units.sum(0) + rng.normal(0.0, self.noise_multiplier, x.shape[1])
         noisy_count = len(units) + rng.normal(0.0, COUNT_NOISE_SCALE * self.noise_multiplier)
         self.released_sum, self.released_count = noisy_sum, float(noisy_count)
         # Post-processing of the release: the divisor is the noised count.
         self.mean.assign((noisy_sum / max(noisy_count, 1.0)).astype(self.mean.dtype))
-        self._has_mean = True
 
     def call(self, inputs: tf.Tensor) -> tf.Tensor:
-        note_release_call(self)
-        if not self._has_mean:
-            raise ValueError("DPFeatureNormalization has no mean yet: call `adapt(features)` "
-                             "on the training features first (or load saved weights).")
+        self.require_release("mean")
         ops = keras.ops
         x = ops.cast(inputs, self.compute_dtype)
 
@@ -287,17 +177,7 @@ class DPFeatureNormalization(keras.layers.Layer):
     def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         return input_shape
 
-    def dp_event(self) -> dp_accounting.DpEvent:
-        """The ``dp_accounting`` event of every release (the planned one before
-        the first ``adapt``): ``GaussianDpEvent(noise_multiplier /
-        release_sensitivity())`` per release (the noised sum and count)."""
-        one = dp_accounting.GaussianDpEvent(self.noise_multiplier / release_sensitivity())
-        count = max(sync_release_count(self) if self.built else self.num_releases, 1)
-        return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
-
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        config.update(norm=self.norm, noise_multiplier=self.noise_multiplier,
-                      seed=self.seed, num_releases=self.num_releases,
-                      privacy_unit=self.privacy_unit)
+        config.update(norm=self.norm)
         return config

@@ -55,7 +55,7 @@ from keras_dp_lm.training.losses import _step_losses
 from keras_dp_lm.training.losses import regularization_loss
 from keras_dp_lm.training.probing import _MIXING_REFUSED
 from keras_dp_lm.training.probing import _probe_engine
-from keras_dp_lm.data.feature_normalization import recording_release_calls
+from keras_dp_lm.data.releases import recording_release_calls
 from keras_dp_lm.errors import PrivacyRefusalError
 
 if TYPE_CHECKING:
