@@ -357,3 +357,32 @@ def test_unknown_user_ids_are_refused_not_merged_into_one_user(bad):
     with pytest.raises(ValueError, match=match):
         poisson_user_batches((x, y), users, sampling_rate=0.5, max_users=4,
                              examples_per_user=1)
+
+
+def test_a_release_count_restored_into_the_weights_alone_is_checked_and_counted():
+    """A count that reaches the layer only through its ``releases`` weight (a
+    restore path that writes the variables and nothing else) still makes the
+    accountant require the release, and the event count it."""
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(200, 4)).astype("float32"), rng.integers(0, 2, 200)
+    trained = DPClassMeans(2, SIGMA, seed=0)
+    trained.adapt(x, y)
+    trained.adapt(x, y)
+    restored = DPClassMeans(2, SIGMA)
+    restored.build((None, 4))
+    for target, value in zip(restored.weights, trained.get_weights()):
+        target.assign(value)                   # variables only: num_releases stays 0
+    restored._has_release = True
+    assert restored.num_releases == 0 and restored.releases_made() == 2
+    assert restored.dp_event() == trained.dp_event()
+    recipe = suggest_recipe(len(y), 3.0, 1e-6, epochs=5, min_steps=5, trainable="head")
+    model = keras.Sequential([keras.Input((4,)), restored, keras.layers.Dense(2)])
+    model.compile(optimizer=recipe.optimizer(seed=0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = recipe.poisson_batches((x, y), seed=0)
+    with pytest.raises(PrivacyRefusalError, match="2 time"):
+        model.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
+                  verbose=0)
+    assert ledger_of(model).updates == 0

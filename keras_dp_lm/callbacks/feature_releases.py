@@ -19,7 +19,7 @@ def check_feature_releases(model, extra_events, unit, applied=0):
     accounted = list(extra_events)
     pending = False
     for layer in flatten_layers(model, include_self=False):
-        if not is_release_layer(layer) or not layer.num_releases:
+        if not is_release_layer(layer) or not layer.releases_made():
             continue
         if unit is None:
             pending = True
@@ -38,7 +38,7 @@ def check_feature_releases(model, extra_events, unit, applied=0):
         else:
             raise PrivacyRefusalError(
                 f"{layer.name!r} released statistics of this training data "
-                f"{layer.num_releases} time(s), and that is not in the accountant's "
+                f"{layer.releases_made()} time(s), and that is not in the accountant's "
                 "extra_events: pass PrivacyAccountant(extra_events=[layer.dp_event()]) "
                 "(suggest_recipe(extra_events=[layer.dp_event()]) after the last adapt "
                 "does it for recipe.accountant()).")

@@ -247,9 +247,16 @@ class ReleaseLayer(keras.layers.Layer):
         another layer (a warm start) is this release too: count this event
         wherever they go."""
         one = dp_accounting.GaussianDpEvent(self.noise_multiplier / release_sensitivity())
-        count = max(sync_release_count(self) if self.releases is not None
-                    else self.num_releases, 1)
+        count = max(self.releases_made(), 1)
         return one if count == 1 else dp_accounting.ComposedDpEvent([one] * count)
+
+    def releases_made(self) -> int:
+        """The releases made so far: the larger of ``num_releases`` and the
+        ``releases`` weight (a count restored into the weights by any path counts,
+        read without writing anything)."""
+        if self.releases is None:
+            return int(self.num_releases)
+        return max(int(self.num_releases), int(self.releases.numpy()))
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
