@@ -54,9 +54,10 @@ LARGE_SUITE = ("rotten_tomatoes_3000", "shakespeare_genre_2000", "shakespeare_hi
                "fortunes_6", "folio_genre")
 
 
-def dp_class_means(splits, epsilon, classes):
+def dp_class_means(splits, epsilon, classes, normalization=None, other_events=()):
     """``DPFeatureNormalization`` then ``DPClassMeans`` calibrated so that the two
-    releases compose to ``epsilon``; no training."""
+    releases (and ``other_events``, releases made elsewhere on the same data) compose
+    to ``epsilon``; no training. ``normalization``: a release already made."""
     import keras
 
     from keras_dp_lm.accounting import compose_epsilon
@@ -64,13 +65,15 @@ def dp_class_means(splits, epsilon, classes):
     from keras_dp_lm.data import DPFeatureNormalization
 
     (x, y), (xt, yt) = splits["train"][:2], splits["test"][:2]
-    normalization = DPFeatureNormalization()
-    normalization.adapt(x)
+    if normalization is None:
+        normalization = DPFeatureNormalization()
+        normalization.adapt(x)
+    other_events = [normalization.dp_event(), *other_events]
     means = DPClassMeans.for_budget(classes, epsilon, utility_suite.DELTA,
-                                    extra_events=[normalization.dp_event()])
+                                    extra_events=other_events)
     means.adapt(np.asarray(normalization(x)), y)
     model = keras.Sequential([keras.Input((x.shape[1],)), normalization, means])
-    events = [normalization.dp_event(), means.dp_event()]
+    events = [*other_events, means.dp_event()]
     return {**utility_suite._test_scores(model, xt, yt),
             "noise_multiplier": means.noise_multiplier,
             "total_epsilon": compose_epsilon(events, utility_suite.DELTA),

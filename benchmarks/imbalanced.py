@@ -101,10 +101,12 @@ def load_unbalanced(name, data_dir):
     return splits, row
 
 
-def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2):
+def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalization=None,
+                   priors=None):
     """The README path plus ``DPClassPriors`` (released once, composed into the
     recipe's total with the mean's release) and the logit-adjusted loss; the test
-    predictions use the raw logits."""
+    predictions use the raw logits. ``normalization`` / ``priors``: releases already
+    made on the training split (used as they are, not released again)."""
     import keras
 
     from keras_dp_lm.data import DPClassPriors
@@ -113,10 +115,12 @@ def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2):
     from keras_dp_lm.recipes import suggest_recipe
 
     (x, y), (xt, yt) = splits["train"], splits["test"]
-    normalization = DPFeatureNormalization()
-    normalization.adapt(x)
-    priors = DPClassPriors(num_classes=classes)
-    priors.release(y)
+    if normalization is None:
+        normalization = DPFeatureNormalization()
+        normalization.adapt(x)
+    if priors is None:
+        priors = DPClassPriors(num_classes=classes)
+        priors.release(y)
     recipe = suggest_recipe(len(y), epsilon, utility_suite.DELTA,
                             epochs=utility_suite.DP_EPOCHS,
                             num_parameters=(x.shape[1] + 1) * classes, trainable="head",
