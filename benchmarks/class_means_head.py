@@ -64,14 +64,15 @@ def dp_class_means(splits, epsilon, classes, normalization=None, other_events=()
     from keras_dp_lm.data import DPClassMeans
     from keras_dp_lm.data import DPFeatureNormalization
 
-    (x, y), (xt, yt) = splits["train"][:2], splits["test"][:2]
+    (x, y, *users), (xt, yt) = splits["train"], splits["test"][:2]
+    user_ids = users[0] if users else None  # a user-level task: the unit is a user
     if normalization is None:
         normalization = DPFeatureNormalization()
-        normalization.adapt(x)
+        normalization.adapt(x, user_ids=user_ids)
     other_events = [normalization.dp_event(), *other_events]
     means = DPClassMeans.for_budget(classes, epsilon, utility_suite.DELTA,
                                     extra_events=other_events)
-    means.adapt(np.asarray(normalization(x)), y)
+    means.adapt(np.asarray(normalization(x)), y, user_ids=user_ids)
     model = keras.Sequential([keras.Input((x.shape[1],)), normalization, means])
     events = [*other_events, means.dp_event()]
     return {**utility_suite._test_scores(model, xt, yt),

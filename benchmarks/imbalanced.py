@@ -114,20 +114,22 @@ def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalizati
     from keras_dp_lm.data import LogitAdjustedSparseCategoricalCrossentropy
     from keras_dp_lm.recipes import suggest_recipe
 
-    (x, y), (xt, yt) = splits["train"], splits["test"]
+    (x, y, *users), (xt, yt) = splits["train"], splits["test"][:2]
+    user_ids = users[0] if users else None  # a user-level task: the unit is a user
     if normalization is None:
         normalization = DPFeatureNormalization()
-        normalization.adapt(x)
+        normalization.adapt(x, user_ids=user_ids)
     if priors is None:
         priors = DPClassPriors(num_classes=classes)
-        priors.release(y)
-    recipe = suggest_recipe(len(y), epsilon, utility_suite.DELTA,
+        priors.release(y, user_ids=user_ids)
+    recipe = suggest_recipe(utility_suite._privacy_units(splits), epsilon, utility_suite.DELTA,
                             epochs=utility_suite.DP_EPOCHS,
                             num_parameters=(x.shape[1] + 1) * classes, trainable="head",
                             extra_events=[normalization.dp_event(), priors.dp_event()])
     model = keras.Sequential([keras.Input((x.shape[1],)), normalization,
                               utility_suite._probe(x.shape[1], classes)])
-    batches = recipe.poisson_batches((x, y))
+    batches = (recipe.poisson_user_batches((x, y), user_ids, utility_suite.EXAMPLES_PER_USER)
+               if users else recipe.poisson_batches((x, y)))
     optimizer = recipe.optimizer(utility_suite.DP_OPTIMIZER)
     model.compile(optimizer=optimizer, loss=LogitAdjustedSparseCategoricalCrossentropy(
         priors, tau=tau, class_weighting=class_weighting))
