@@ -174,37 +174,51 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_arguments(argv, description, tasks, variants, choices=None):
+    """The command line both head benchmarks share (``choices``: the variants one may
+    ask for, ``variants`` by default)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data-dir", default="data")
-    parser.add_argument("--tasks", nargs="*",
-                        default=list(HELD_OUT) + list(SMALL_SUITE) + list(LARGE_SUITE))
-    parser.add_argument("--variants", nargs="*", default=["la_weights", "class_means"],
-                        choices=["la_weights", "class_means"])
+    parser.add_argument("--tasks", nargs="*", default=list(tasks))
+    parser.add_argument("--variants", nargs="*", default=list(variants),
+                        choices=list(choices or variants))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--table", nargs="*", default=None, metavar="FILE",
                         help="print the bar table of these JSON files and exit")
     parser.add_argument("--output", default=None, help="write the rows as JSON (appended "
                         "to the file's rows when it exists)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run_rows(args, run, bar_table, row_table):
+    """``--table``: print ``bar_table`` of the files; else run every task (``run(name,
+    data_dir, repeats, variants)``), printing ``row_table`` of each row as it ends and
+    writing the rows to ``--output`` after each (appended to the file's rows)."""
     if args.table is not None:
-        print(bar_markdown([row for path in args.table
-                            for row in json.loads(Path(path).read_text())]))
+        print(bar_table([row for path in args.table
+                         for row in json.loads(Path(path).read_text())]))
         return
     rows = []
     if args.output and Path(args.output).exists():
         rows = json.loads(Path(args.output).read_text())
     for name in args.tasks:
         try:
-            row = run_task(name, args.data_dir, args.repeats, args.variants)
+            row = run(name, args.data_dir, args.repeats, args.variants)
         except FileNotFoundError as error:  # a source whose features are not built
             print(f"{name}: not run ({error})", file=sys.stderr, flush=True)
             continue
         rows.append(row)
-        print(markdown([row]), flush=True)
+        print(row_table([row]), flush=True)
         if args.output:
             Path(args.output).write_text(json.dumps(rows, indent=1))
-    print(markdown(rows))
+    print(row_table(rows))
+
+
+def main(argv=None):
+    args = parse_arguments(argv, __doc__.splitlines()[0],
+                           list(HELD_OUT) + list(SMALL_SUITE) + list(LARGE_SUITE),
+                           ["la_weights", "class_means"])
+    run_rows(args, run_task, bar_markdown, markdown)
 
 
 if __name__ == "__main__":

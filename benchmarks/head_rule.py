@@ -19,8 +19,6 @@ before the first run.
         benchmarks/results/head_rule.json
 """
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -85,28 +83,6 @@ SUITE_NOT_RUN = ("kjv_testament_2000", "kjv_division", "milton_vs_shakespeare_20
 SUITE_RUN = class_means_head.SMALL_SUITE + class_means_head.LARGE_SUITE
 
 
-def one_rare_class(splits, rare, share, train_size, seed=0):
-    """A seeded subsample where class ``rare`` is ``share`` of the training examples
-    (the others drawn uniformly, so they keep their proportions); validation and
-    test keep every other example and as many of ``rare`` as give the same share."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for split, (x, y) in splits.items():
-        others, rares = np.flatnonzero(y != rare), np.flatnonzero(y == rare)
-        if split == "train":
-            n_rare = int(round(share * train_size))
-            n_others = train_size - n_rare
-        else:
-            n_others = len(others)
-            n_rare = int(round(n_others * share / (1 - share)))
-        if n_others > len(others) or n_rare > len(rares):
-            raise ValueError(f"{split}: not enough examples for {share:.0%} of {train_size}")
-        keep = np.concatenate([rng.choice(others, n_others, replace=False),
-                               rng.choice(rares, n_rare, replace=False)])
-        out[split] = (x[keep], y[keep])
-    return out
-
-
 def load(name, data_dir):
     """``(splits, classes, row)``; ``row["rare_class"]``: the class whose recall the
     bar's rare-class part reads (``None`` for a suite task)."""
@@ -116,7 +92,7 @@ def load(name, data_dir):
         return splits, classes, {**row, "rare_class": None}
     source, rare, share, train_size, binary = tasks[name]
     splits = {s: v[:2] for s, v in utility_tasks.load_task(source, data_dir).items()}
-    splits = one_rare_class(splits, rare, share, train_size)
+    splits = imbalanced.unbalanced(splits, share, train_size, rare=rare, round_count=True)
     if binary:
         splits = {s: (x, (y == rare).astype("int32")) for s, (x, y) in splits.items()}
         classes, rare = 2, 1
@@ -164,17 +140,21 @@ def dp_rule(splits, epsilon, classes, picks=picks_class_means):
     return {**result, "head": head, "released_share_of_equal": released_share}
 
 
+# The rows: name -> (splits, epsilon, classes) -> one DP run's scores.
+DP_ROWS = {"la_weights": lambda splits, eps, classes: imbalanced.dp_head_priors(
+               splits, eps, 1.0, True, classes=classes),
+           "class_means": class_means_head.dp_class_means,
+           "rule": dp_rule,
+           "rule_two_classes": lambda splits, eps, classes: dp_rule(
+               splits, eps, classes, picks_class_means_two_classes)}
+
+
 def run_task(name, data_dir, repeats, variants):
     splits, classes, row = load(name, data_dir)
     t = time.time()
     row["non_private_balanced"] = balanced_heads.non_private_balanced_best(splits, classes)
-    make = {"la_weights": lambda eps: imbalanced.dp_head_priors(splits, eps, 1.0, True,
-                                                                 classes=classes),
-            "class_means": lambda eps: class_means_head.dp_class_means(splits, eps, classes),
-            "rule": lambda eps: dp_rule(splits, eps, classes),
-            "rule_two_classes": lambda eps: dp_rule(splits, eps, classes,
-                                                    picks_class_means_two_classes)}
-    row["variants"] = {variant: {f"eps{eps:g}": [make[variant](eps) for _ in range(repeats)]
+    row["variants"] = {variant: {f"eps{eps:g}": [DP_ROWS[variant](splits, eps, classes)
+                                                 for _ in range(repeats)]
                                  for eps in utility_suite.EPSILONS}
                        for variant in variants}
     row["seconds"] = time.time() - t
@@ -222,31 +202,10 @@ def bar_markdown(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", default="data")
-    parser.add_argument("--tasks", nargs="*", default=list(HELD_OUT) + list(SUITE_NOT_RUN))
-    parser.add_argument("--variants", nargs="*", default=["la_weights", "class_means", "rule"],
-                        choices=["la_weights", "class_means", "rule", "rule_two_classes"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--table", nargs="*", default=None, metavar="FILE",
-                        help="print the bar table of these JSON files and exit")
-    parser.add_argument("--output", default=None, help="write the rows as JSON (appended "
-                        "to the file's rows when it exists)")
-    args = parser.parse_args(argv)
-    if args.table is not None:
-        print(bar_markdown([row for path in args.table
-                            for row in json.loads(Path(path).read_text())]))
-        return
-    rows = []
-    if args.output and Path(args.output).exists():
-        rows = json.loads(Path(args.output).read_text())
-    for name in args.tasks:
-        row = run_task(name, args.data_dir, args.repeats, args.variants)
-        rows.append(row)
-        print("\n".join(bar_markdown([row]).splitlines()[2:]), flush=True)
-        if args.output:
-            Path(args.output).write_text(json.dumps(rows, indent=1))
-    print(bar_markdown(rows))
+    args = class_means_head.parse_arguments(
+        argv, __doc__.splitlines()[0], list(HELD_OUT) + list(SUITE_NOT_RUN),
+        ["la_weights", "class_means", "rule"], choices=list(DP_ROWS))
+    class_means_head.run_rows(args, run_task, bar_markdown, bar_markdown)
 
 
 if __name__ == "__main__":

@@ -64,22 +64,26 @@ VARIANTS = {"readme": None, "la": (1.0, False), "weights": (0.0, True),
             "la_weights": (1.0, True)}
 
 
-def unbalanced(splits, minority, train_size, seed=0):
-    """The seeded unbalanced subsample described in the module docstring."""
+def unbalanced(splits, minority, train_size, seed=0, rare=1, round_count=False):
+    """A seeded subsample where class ``rare`` is ``minority`` of the ``train_size``
+    training examples (the others drawn uniformly, so they keep their proportions);
+    validation and test keep every other example and as many of ``rare`` as give
+    the same share (that count truncated, or rounded with ``round_count``)."""
     rng = np.random.default_rng(seed)
     out = {}
     for split, (x, y) in splits.items():
-        zeros, ones = np.flatnonzero(y == 0), np.flatnonzero(y == 1)
+        others, rares = np.flatnonzero(y != rare), np.flatnonzero(y == rare)
         if split == "train":
-            n_ones = int(round(minority * train_size))
-            n_zeros = train_size - n_ones
+            n_rare = int(round(minority * train_size))
+            n_others = train_size - n_rare
         else:
-            n_zeros = len(zeros)
-            n_ones = int(n_zeros * minority / (1 - minority))
-        if n_zeros > len(zeros) or n_ones > len(ones):
+            n_others = len(others)
+            n_rare = n_others * minority / (1 - minority)
+            n_rare = int(round(n_rare)) if round_count else int(n_rare)
+        if n_others > len(others) or n_rare > len(rares):
             raise ValueError(f"{split}: not enough examples for {minority:.0%} of {train_size}")
-        keep = np.concatenate([rng.choice(zeros, n_zeros, replace=False),
-                               rng.choice(ones, n_ones, replace=False)])
+        keep = np.concatenate([rng.choice(others, n_others, replace=False),
+                               rng.choice(rares, n_rare, replace=False)])
         out[split] = (x[keep], y[keep])
     return out
 
