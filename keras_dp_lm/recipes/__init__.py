@@ -77,5 +77,6 @@ Example:
 from keras_dp_lm.recipes.fine_tuning import DPRecipe
 from keras_dp_lm.recipes.fine_tuning import NoiseDominatedWarning
 from keras_dp_lm.recipes.fine_tuning import suggest_recipe
+from keras_dp_lm.recipes.heads import suggest_head
 
-__all__ = ["DPRecipe", "NoiseDominatedWarning", "suggest_recipe"]
+__all__ = ["DPRecipe", "NoiseDominatedWarning", "suggest_head", "suggest_recipe"]
