@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["RARE_PRIOR", "suggest_head"]
 
 # Below this released prior of the smaller of two classes, class means.
-RARE_PRIOR = 0.25
+RARE_PRIOR = 0.2
 
 
 def suggest_head(priors: DPClassPriors) -> str:
@@ -39,8 +39,8 @@ def suggest_head(priors: DPClassPriors) -> str:
     labels, from the released priors only.
 
     ``"class_means"`` (:class:`keras_dp_lm.data.DPClassMeans`) when there are two
-    classes and the smaller one's released prior is under ``RARE_PRIOR`` (0.25: it
-    holds less than half of an equal share); ``"trained"`` (the README's head: a
+    classes and the smaller one's released prior is under ``RARE_PRIOR`` (0.2: it
+    holds less than 40% of an equal share); ``"trained"`` (the README's head: a
     Dense layer trained with ``LogitAdjustedSparseCategoricalCrossentropy``)
     otherwise.
 
