@@ -98,9 +98,17 @@ def load(name, data_dir):
         classes = int(splits["train"][1].max()) + 1
         kind = "suite"
     y = splits["train"][1]
-    return splits, classes, {"task": name, "kind": kind, "train_size": int(len(y)),
-                             "classes": classes,
-                             "smallest_class": int(np.bincount(y, minlength=classes).min())}
+    row = {"task": name, "kind": kind, "train_size": int(len(y)), "classes": classes,
+           "smallest_class": int(np.bincount(y, minlength=classes).min())}
+    if len(splits["train"]) > 2:  # user-level: the bar counts privacy units (users)
+        row["smallest_class_units"] = smallest_class_users(splits["train"], classes)
+    return splits, classes, row
+
+
+def smallest_class_users(train, classes):
+    """The fewest users (privacy units) any class has, of a user-level task."""
+    _, y, users = train
+    return int(min(len(np.unique(users[y == c])) for c in range(classes)))
 
 
 def run_task(name, data_dir, repeats, variants):
@@ -137,7 +145,8 @@ def bar_markdown(rows):
         score = _rare if unbalanced else (lambda runs, eps=None: balanced_heads._scores(
             runs if eps is None else runs[f"eps{eps:g}"])[1:])
         probe = score([row["non_private_balanced"]])
-        bar_eps = 8.0 if unbalanced or row["smallest_class"] < 400 else 3.0
+        units = row.get("smallest_class_units", row["smallest_class"])
+        bar_eps = 8.0 if unbalanced or units < 400 else 3.0
         for variant, runs in row["variants"].items():
             eps3, eps8 = score(runs, 3.0), score(runs, 8.0)
             gap = (eps8 if bar_eps == 8.0 else eps3)[0] - probe[0]
