@@ -28,11 +28,13 @@ def test_several_classes_get_the_trained_head_even_with_a_rare_one():
     assert suggest_head(_released(labels, num_classes=4)) == "trained"
 
 
-def test_the_decision_reads_the_released_priors_not_the_labels():
+def test_the_threshold_applies_to_the_released_priors(monkeypatch):
     priors = _released([0, 1] * 500)
-    priors.priors = np.array([1 - RARE_PRIOR + 1e-9, RARE_PRIOR - 1e-9])
+    monkeypatch.setattr(priors, "released_priors",
+                        lambda: np.array([1 - RARE_PRIOR + 1e-9, RARE_PRIOR - 1e-9]))
     assert suggest_head(priors) == "class_means"
-    priors.priors = np.array([1 - RARE_PRIOR, RARE_PRIOR])   # the threshold: not under it
+    monkeypatch.setattr(priors, "released_priors",   # the threshold itself: not under it
+                        lambda: np.array([1 - RARE_PRIOR, RARE_PRIOR]))
     assert suggest_head(priors) == "trained"
 
 
@@ -44,8 +46,16 @@ def test_choosing_makes_no_release():
     np.testing.assert_array_equal(priors.priors, before[2])
 
 
-def test_raw_counts_and_unreleased_priors_are_refused():
+def test_raw_counts_unreleased_and_hand_set_priors_are_refused():
     with pytest.raises(TypeError, match="raw label counts would be a release"):
         suggest_head(np.array([0.9, 0.1]))
     with pytest.raises(ValueError, match=r"call `release\(labels\)`"):
         suggest_head(DPClassPriors(num_classes=2))
+    hand_set = DPClassPriors(num_classes=2)
+    hand_set.priors = np.array([0.9, 0.1])   # the true shares, never released
+    with pytest.raises(ValueError, match="set by hand"):
+        suggest_head(hand_set)
+    released = _released([0, 1] * 500)
+    released.priors = np.array([0.9, 0.1])   # overwritten after a release
+    with pytest.raises(ValueError, match="set by hand"):
+        suggest_head(released)

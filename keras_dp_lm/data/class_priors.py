@@ -191,6 +191,17 @@ class DPClassPriors:
         first): ``GaussianDpEvent(noise_multiplier / release_sensitivity())`` each."""
         return _releases_event(self.noise_multiplier, max(self.num_releases, 1))
 
+    def released_priors(self) -> np.ndarray:
+        """The priors of the last ``release`` (a copy). Priors set by hand (not the
+        output of a release) are refused: a choice made from them would be a
+        release of the labels that no budget counts."""
+        priors = self._require_priors()
+        if self.num_releases == 0 or _as_priors(priors).tobytes() not in _RELEASED:
+            raise ValueError("DPClassPriors.priors was not made by `release(labels)` (it was "
+                             "set by hand): release the counts with `release(labels)` and "
+                             "count `dp_event()` in the budget.")
+        return np.array(priors, dtype="float64")
+
     def class_weights(self) -> np.ndarray:
         """``min(priors) / priors``: weight 1 for the rarest class, in ``(0, 1]``."""
         return _class_weights(self._require_priors())

@@ -29,9 +29,10 @@ def data_regime(n: int, num_classes: int) -> str:
     rare = ("; with unbalanced classes count the smallest. With two classes and one under "
             "20% by DPClassPriors' released counts, recipes.suggest_head(priors) says "
             "\"class_means\" (DPClassMeans: one release, no training): on 11 held-out "
-            "binary tasks it came within 3 points of non-private balanced accuracy at "
-            "epsilon 8 on 9, the trained head on 5, and kept the rare class's recall "
-            "at least 38% at epsilon 3 (benchmarks/results/head_rule.md); otherwise "
+            "binary tasks with a class of 5-25% the rule came within 3 points of "
+            "non-private balanced accuracy at epsilon 8 on 9 (under 20%: 6 of 8), the "
+            "trained head on 5 (2 of 8), and kept the rare class's recall at least 38% "
+            "at epsilon 3 (benchmarks/results/head_rule.md); otherwise "
             "the trained head, with DPClassPriors and "
             "LogitAdjustedSparseCategoricalCrossentropy(priors, class_weighting=True)")
     if per_class >= SMALL_DATA_UNITS_PER_CLASS:
