@@ -50,11 +50,20 @@ def _run(args, cwd, timeout):
     return result
 
 
+# The README head block on a user's unbalanced labels: its training subset swapped for
+# one with 10% positive reviews (150 of 1,500), which takes the class-means branch.
+SUBSET = "train = [train[i] for i in pick(len(train))[:1500]]"
+RARE_SUBSET = ("train = ([r for r in train if r.label == 0][:1350]\n"
+               "         + [r for r in train if r.label == 1][:150])")
+
+
 def _scripts():
     """{name: code}: each README block, and the getting-started page as one script."""
     lm, head = README_BLOCKS
     assert "tiny_gpt2_causal_lm" in lm and 'trainable="head"' in head
+    assert head.count(SUBSET) == 1
     return {"readme_lm": lm, "readme_head": head,
+            "readme_head_rare": head.replace(SUBSET, RARE_SUBSET),
             "getting_started": "\n".join(GUIDE_BLOCKS)}
 
 
@@ -145,7 +154,8 @@ def test_demo_command_trains_privately_for_a_pip_user(installed):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("name", ["readme_lm", "readme_head", "getting_started"])
+@pytest.mark.parametrize("name", ["readme_lm", "readme_head", "readme_head_rare",
+                                  "getting_started"])
 def test_quick_start_code_runs_as_written_from_the_wheel(installed, name, tmp_path):
     python, _, _ = installed
     code = _scripts()[name]
@@ -160,10 +170,14 @@ def test_quick_start_code_runs_as_written_from_the_wheel(installed, name, tmp_pa
     assert err.count("failed to converge") == 0, err[-2000:]
     if name == "readme_lm":
         assert "satisfies (epsilon = 3" in out
-    elif name == "readme_head":
+    elif name.startswith("readme_head"):
         accuracy, balanced, epsilon = map(float, re.search(
             r"test accuracy ([\d.]+), balanced ([\d.]+) at epsilon ([\d.]+)", out).groups())
-        assert epsilon <= 3.0 and accuracy > 0.6 and balanced > 0.6
-        assert "trainable='head'" in out and "spends epsilon" in out
+        trained = "trainable='head'" in out and "spends epsilon" in out
+        assert trained == (name == "readme_head")   # the rare labels took the class means
+        # the rare run measured 0.60-0.66 accuracy, 0.65-0.69 balanced (3 runs); a head
+        # collapsed to the majority label would score about 0.5 on both
+        assert epsilon <= 3.0 and accuracy > (0.6 if trained else 0.55)
+        assert balanced > (0.6 if trained else 0.55)
     else:
         assert "1000 private records" in out and "DP updates so far" in out

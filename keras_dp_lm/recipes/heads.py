@@ -28,10 +28,10 @@ released (post-processing), and that release is counted in either head's budget 
 third release follows depends on a released value. Each head's total is what its
 accountant reports; the two heads together, one picked by the priors, are
 ``(epsilon, 2 delta)``-DP by a union over the two (each is ``(epsilon, delta)``). To
-state ``delta`` for the whole decision, budget either head at ``delta / 2``. A run
-that stops instead of taking the other head (the README's quick start) adds at most
-the delta of the two earlier releases at that epsilon, which is negligible: their own
-epsilon is far below the target.
+state ``delta`` for the whole decision, budget either head at ``delta / 2`` (as the
+README's quick start and the parameters guide do). A run that stops instead of taking
+the other head adds at most the delta of the two earlier releases at that epsilon,
+which is negligible: their own epsilon is far below the target.
 """
 
 from __future__ import annotations
