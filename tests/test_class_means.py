@@ -214,6 +214,18 @@ def test_refusals_name_the_problem():
         layer.adapt(x[:, :3], y)
 
 
+def _dp_fit(model, x, y, events=()):
+    """Compile ``model`` with a DP recipe whose budget lists ``events`` and fit one
+    epoch of Poisson batches under its accountant; returns the recipe."""
+    recipe = suggest_recipe(len(y), 3.0, 1e-6, epochs=5, min_steps=5, trainable="head",
+                            extra_events=list(events))
+    model.compile(optimizer=recipe.optimizer(seed=0),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    batches = recipe.poisson_batches((x, y), seed=0)
+    model.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)], verbose=0)
+    return recipe
+
+
 def test_the_accountant_refuses_a_dp_fit_that_leaves_the_release_out():
     """A model holding the layer, trained further with a DP optimizer: the release
     must be in the accountant's total, as for DPFeatureNormalization."""
@@ -225,15 +237,8 @@ def test_the_accountant_refuses_a_dp_fit_that_leaves_the_release_out():
     means.adapt(x, y)
 
     def fit(events):
-        recipe = suggest_recipe(len(y), 3.0, 1e-6, epochs=5, min_steps=5, trainable="head",
-                                extra_events=events)
         model = keras.Sequential([keras.Input((4,)), means, keras.layers.Dense(2)])
-        model.compile(optimizer=recipe.optimizer(seed=0),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        batches = recipe.poisson_batches((x, y), seed=0)
-        model.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
-                  verbose=0)
-        return model, recipe
+        return model, _dp_fit(model, x, y, events)
 
     with pytest.raises(PrivacyRefusalError, match=r"released statistics of this training "
                        r"data 1 time.*extra_events"):
@@ -249,16 +254,10 @@ def test_a_call_inside_a_lambda_is_refused_before_any_update():
     x, y = rng.normal(size=(200, 4)).astype("float32"), rng.integers(0, 2, 200)
     means = DPClassMeans(2, SIGMA, seed=0)
     means.adapt(x, y)
-    recipe = suggest_recipe(len(y), 3.0, 1e-6, epochs=5, min_steps=5, trainable="head",
-                            extra_events=[means.dp_event()])
     model = keras.Sequential([keras.Input((4,)), keras.layers.Lambda(lambda t: means(t)),
                               keras.layers.Dense(2)])
-    model.compile(optimizer=recipe.optimizer(seed=0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    batches = recipe.poisson_batches((x, y), seed=0)
     with pytest.raises(PrivacyRefusalError, match="DPClassMeans.*does not list it"):
-        model.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
-                  verbose=0)
+        _dp_fit(model, x, y, [means.dp_event()])
     assert ledger_of(model).updates == 0
 
 
@@ -377,12 +376,7 @@ def test_a_release_count_restored_into_the_weights_alone_is_checked_and_counted(
     restored._has_release = True
     assert restored.num_releases == 0 and restored.releases_made() == 2
     assert restored.dp_event() == trained.dp_event()
-    recipe = suggest_recipe(len(y), 3.0, 1e-6, epochs=5, min_steps=5, trainable="head")
     model = keras.Sequential([keras.Input((4,)), restored, keras.layers.Dense(2)])
-    model.compile(optimizer=recipe.optimizer(seed=0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    batches = recipe.poisson_batches((x, y), seed=0)
     with pytest.raises(PrivacyRefusalError, match="2 time"):
-        model.fit(batches, epochs=1, callbacks=[recipe.accountant(batches=batches)],
-                  verbose=0)
+        _dp_fit(model, x, y)
     assert ledger_of(model).updates == 0

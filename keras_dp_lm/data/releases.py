@@ -134,15 +134,13 @@ class SetUntilReleased:
         object.__setattr__(obj, self.attribute, value)
 
 
-def sync_release_count(layer: Any) -> int:
+def sync_release_count(layer: ReleaseLayer) -> int:
     """The larger of ``layer.num_releases`` and its ``releases`` weight, written
     to both: a count copied with the weights (``set_weights``, a legacy ``.h5``)
     or kept by the layer is never lowered by the other."""
-    count = int(layer.num_releases)
-    variable = getattr(layer, "releases", None)
-    if variable is not None:
-        count = max(count, int(variable.numpy()))
-        variable.assign(count)
+    count = layer.releases_made()
+    if layer.releases is not None:
+        layer.releases.assign(count)
     layer.num_releases = count
     return count
 
