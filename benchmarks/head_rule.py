@@ -143,6 +143,8 @@ def dp_rule(splits, epsilon, classes, picks=picks_class_means):
 # The rows: name -> (splits, epsilon, classes) -> one DP run's scores.
 DP_ROWS = {"la_weights": lambda splits, eps, classes: imbalanced.dp_head_priors(
                splits, eps, 1.0, True, classes=classes),
+           "la_weights_d4": lambda splits, eps, classes: imbalanced.dp_head_priors(
+               splits, eps, 1.0, True, classes=classes, head_displacement=4.0),
            "class_means": class_means_head.dp_class_means,
            "rule": dp_rule,
            "rule_two_classes": lambda splits, eps, classes: dp_rule(

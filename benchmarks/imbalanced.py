@@ -106,11 +106,12 @@ def load_unbalanced(name, data_dir):
 
 
 def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalization=None,
-                   priors=None):
+                   priors=None, head_displacement=None):
     """The README path plus ``DPClassPriors`` (released once, composed into the
     recipe's total with the mean's release) and the logit-adjusted loss; the test
     predictions use the raw logits. ``normalization`` / ``priors``: releases already
-    made on the training split (used as they are, not released again)."""
+    made on the training split (used as they are, not released again);
+    ``head_displacement``: the recipe's (``None``: its default)."""
     import keras
 
     from keras_dp_lm.data import DPClassPriors
@@ -126,10 +127,12 @@ def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalizati
     if priors is None:
         priors = DPClassPriors(num_classes=classes)
         priors.release(y, user_ids=user_ids)
+    displacement = {} if head_displacement is None else {"head_displacement": head_displacement}
     recipe = suggest_recipe(utility_suite._privacy_units(splits), epsilon, utility_suite.DELTA,
                             epochs=utility_suite.DP_EPOCHS,
                             num_parameters=(x.shape[1] + 1) * classes, trainable="head",
-                            extra_events=[normalization.dp_event(), priors.dp_event()])
+                            extra_events=[normalization.dp_event(), priors.dp_event()],
+                            **displacement)
     model = keras.Sequential([keras.Input((x.shape[1],)), normalization,
                               utility_suite._probe(x.shape[1], classes)])
     batches = (recipe.poisson_user_batches((x, y), user_ids, utility_suite.EXAMPLES_PER_USER)
