@@ -358,6 +358,52 @@ def test_unknown_user_ids_are_refused_not_merged_into_one_user(bad):
                              examples_per_user=1)
 
 
+def test_user_ids_of_mixed_types_are_refused_not_merged():
+    """``[1, 1, "1"]`` becomes three ``"1"`` strings in one NumPy array: two people
+    merged into one user moved a user-level release by 1.33 against a claim of 1.03."""
+    from keras_dp_lm.data import DPClassPriors
+    from keras_dp_lm.data import poisson_user_batches
+    from keras_dp_lm.data import records_per_user
+
+    x, y = np.eye(4), np.array([0, 1, 0, 1])
+    for users in ([1, 1, 2, "1"], [True, 1, 2, 2], np.array([1, "a", 2, 2], dtype=object)):
+        layers = (DPClassMeans(2, SIGMA), DPFeatureNormalization(), DPClassPriors(2))
+        with pytest.raises(ValueError, match="`user_ids` mix .* Give every id the same type"):
+            layers[0].adapt(x, y, user_ids=users)
+        with pytest.raises(ValueError, match="`user_ids` mix"):
+            layers[1].adapt(x, user_ids=users)
+        with pytest.raises(ValueError, match="`user_ids` mix"):
+            layers[2].release(y, user_ids=users)
+        with pytest.raises(ValueError, match="`user_ids` mix"):
+            poisson_user_batches((x, y), users, sampling_rate=0.5, max_users=4,
+                                 examples_per_user=1)
+        with pytest.raises(ValueError, match="`user_ids` mix"):
+            records_per_user(users)
+        assert [layer.num_releases for layer in layers] == [0, 0, 0]
+    # one type each, however given: accepted
+    assert records_per_user(["a", "b", "a", "c"]).tolist() == [1, 1, 2]
+    assert records_per_user(np.array([3, 1, 3])).tolist() == [1, 2]
+
+
+def test_16_bit_dtypes_are_refused_before_any_release():
+    """The logits scale with d / spread (about 1e5 for well separated classes):
+    float16 overflowed to inf and NaN after the release was counted."""
+    for dtype in ("float16", "bfloat16", "mixed_float16", "mixed_bfloat16"):
+        with pytest.raises(ValueError, match="needs float32 or float64.*dtype='float32'"):
+            DPClassMeans(2, SIGMA, dtype=dtype)
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        with pytest.raises(ValueError, match="needs float32"):
+            DPClassMeans(2, SIGMA)
+        layer = DPClassMeans(2, SIGMA, seed=0, dtype="float32")
+    finally:
+        keras.config.set_dtype_policy(policy)
+    x = np.repeat(np.eye(2) * 50, 20, axis=0)   # well separated: the spread's floor
+    layer.adapt(x, np.repeat([0, 1], 20))
+    assert np.all(np.isfinite(np.asarray(layer(x.astype("float32")))))
+
+
 def test_a_release_count_restored_into_the_weights_alone_is_checked_and_counted():
     """A count that reaches the layer only through its ``releases`` weight (a
     restore path that writes the variables and nothing else) still makes the

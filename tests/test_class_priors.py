@@ -277,13 +277,59 @@ def test_the_released_vector_carries_its_release_like_the_object():
     assert LASCCE([0.75, 0.25]).release_event is None
 
 
+def test_a_cast_or_rounded_released_vector_still_carries_its_release():
+    """Cast to float32 or rounded, the released priors are still the release: taken
+    as public they would drop its event from the accountant's total."""
+    priors = DPClassPriors(3, noise_multiplier=4.0, seed=3)
+    priors.release([0] * 50 + [1] * 30 + [2] * 20)
+    for given in (priors.priors.astype("float32"), np.round(priors.priors, 3),
+                  np.round(priors.priors, 6).tolist()):
+        loss = LASCCE(given)
+        assert loss.release_event == priors.dp_event()
+        assert loss.release_unit == "example"
+    # a vector further than RELEASE_MATCH_ATOL from every release is public
+    assert LASCCE(priors.priors + np.array([0.01, -0.005, -0.005])).release_event is None
+
+
+def test_training_refuses_priors_released_for_another_privacy_unit(tmp_path):
+    """Priors released per example, in training that protects users (or the reverse),
+    are refused before any update: a user with k records of one class moves the
+    per-example counts by k, not 1. The unit is saved with the loss."""
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(4)
+    users = np.repeat(np.arange(120), 4)
+    y = np.repeat((rng.uniform(size=120) < 0.3).astype("int32"), 4)
+    x = (rng.normal(size=(480, 4)) + y[:, None]).astype("float32")
+    per_example, per_user = DPClassPriors(2, seed=0), DPClassPriors(2, seed=1)
+    per_example.release(y)
+    per_user.release(y, user_ids=users)
+    for priors, user_level in ((per_example, True), (per_user, False)):
+        recipe = suggest_recipe(120 if user_level else 480, 3.0, 1e-6, epochs=2,
+                                min_steps=5, trainable="head",
+                                extra_events=[priors.dp_event()])
+        head = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        head.compile(optimizer=recipe.optimizer(seed=0), loss=LASCCE(priors))
+        batches = (recipe.poisson_user_batches((x, y), users, examples_per_user=4, seed=0)
+                   if user_level else recipe.poisson_batches((x, y), seed=0))
+        unit = "user" if user_level else "example"
+        with pytest.raises(PrivacyRefusalError, match=f"protects one {unit}.*refused before"):
+            head.fit(batches, epochs=1, verbose=0,
+                     callbacks=[recipe.accountant(batches=batches, verbose=0)])
+        assert ledger_of(head).updates == 0
+    path = tmp_path / "head.keras"
+    head.save(path)
+    assert keras.models.load_model(path).loss.release_unit == "user"
+
+
 def test_refusals_name_the_problem():
     with pytest.raises(ValueError, match="not differentially private"):
         DPClassPriors(2, noise_multiplier=0.0)
     with pytest.raises(ValueError, match="`num_classes` must be an int >= 2"):
         DPClassPriors(1)
-    with pytest.raises(ValueError, match="`min_count` must be > 0"):
-        DPClassPriors(2, min_count=0.0)
+    for bad in (0.0, float("inf"), float("nan")):   # refused before any release
+        with pytest.raises(ValueError, match="`min_count` must be a finite number > 0"):
+            DPClassPriors(2, min_count=bad)
     with pytest.raises(ValueError, match="`seed` must be an int"):
         DPClassPriors(2, seed=1.5)
     priors = DPClassPriors(2)

@@ -251,6 +251,27 @@ def test_the_accountant_refuses_a_release_left_out_of_its_total():
     assert ledger_of(head).updates == recipe.steps
 
 
+def test_the_report_refuses_a_release_made_after_training():
+    """A layer adapted again after ``fit`` holds a release the report's total would
+    leave out: ``report()`` makes the accountant's check again and refuses."""
+    from keras_dp_lm.errors import PrivacyRefusalError
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(200, 4)).astype("float32"), rng.integers(0, 2, 200)
+    norm = DPFeatureNormalization(seed=0)
+    norm.adapt(x)
+    head, recipe, batches = _head_and_recipe(x, y, norm, [norm.dp_event()])
+    accountant = recipe.accountant(batches=batches, verbose=0)
+    head.fit(batches, epochs=1, callbacks=[accountant], verbose=0)
+    spent = accountant.report()["total_epsilon"]
+    assert spent <= 3.0
+    norm.adapt(x)   # a second release, now in the trained model
+    with pytest.raises(PrivacyRefusalError, match=r"report\(\): .*2 time\(s\)"):
+        accountant.report()
+    with pytest.raises(PrivacyRefusalError, match=r"report\(\)"):
+        accountant.statement()
+
+
 def test_the_accountant_refuses_a_per_record_mean_for_user_level_training():
     from keras_dp_lm.errors import PrivacyRefusalError
 

@@ -9,7 +9,7 @@ from keras_dp_lm._keras_internals import flatten_layers
 
 def check_feature_releases(model, extra_events, unit, applied=0):
     """Refuse a model holding a release layer (``DPFeatureNormalization``,
-    ``DPClassMeans``) whose current releases
+    ``DPClassMeans``) or a loss with released class priors whose current releases
     are not among ``extra_events``, or whose privacy unit is not the training's
     (``unit``: ``"example"`` or ``"user"``; ``None`` when the accountant cannot
     know it before the first update). Returns True when such a layer exists and
@@ -46,6 +46,18 @@ def check_feature_releases(model, extra_events, unit, applied=0):
         event = getattr(loss, "release_event", None)
         if event is None:
             continue
+        released_unit = getattr(loss, "release_unit", None)
+        if released_unit is not None and unit is None:
+            pending = True
+        elif released_unit is not None and released_unit != unit:
+            raise PrivacyRefusalError(
+                f"The loss {getattr(loss, 'name', loss)!r} uses class priors released "
+                f"with one {released_unit} as the privacy unit, but this training "
+                f"protects one {unit}: release them again "
+                f"{'with' if unit == 'user' else 'without'} `user_ids` "
+                "(DPClassPriors.release(labels, user_ids=...)) and compile with those"
+                + (f"; the {applied} update(s) already applied are in the ledger." if
+                   applied else "; refused before any update."))
         if event in accounted:
             accounted.remove(event)
         else:

@@ -32,6 +32,7 @@ from keras_dp_lm.training.fit_guards import check_optimizer_matches_step
 from keras_dp_lm.training.model_ledgers import ledger_of
 from keras_dp_lm.callbacks.accountant_report import accountant_report
 from keras_dp_lm.callbacks.feature_releases import check_feature_releases
+from keras_dp_lm.errors import PrivacyRefusalError
 from keras_dp_lm.callbacks.batch_epsilon import BatchEpsilon
 from keras_dp_lm.callbacks.fit_assumptions import resolve_fit_assumptions
 
@@ -452,6 +453,7 @@ class PrivacyAccountant(keras.callbacks.Callback):
         steps_per_execution, gradient_accumulation_steps, stopped_at``."""
         if self.model is None:
             raise ValueError("report() needs the accountant to have been used in fit().")
+        self._check_releases_still_counted()
         if self._assumptions is None:
             self._assumptions = self._resolve()
         rows = [row for row in self._rows() if row.updates]
@@ -466,6 +468,21 @@ class PrivacyAccountant(keras.callbacks.Callback):
                 self, self._assumptions, rows, selection,
                 overflow_cap=self._overflow_cap, batches_rate=self._batches_rate))
         return copy.deepcopy(self._report_cache[1])
+
+    def _check_releases_still_counted(self):
+        """The check made before training, again: a layer adapted (or priors
+        released) after ``fit`` is a release about this data that the report's
+        total would leave out."""
+        ledger = ledger_of(self.model)
+        try:
+            check_feature_releases(self.model, self.extra_events,
+                                   "user" if self._user_batches else ledger.privacy_unit,
+                                   applied=ledger.updates)
+        except PrivacyRefusalError as error:
+            raise PrivacyRefusalError(
+                "report(): the model now holds a release about the training data that "
+                "this accountant's total does not count (a layer adapted again, or "
+                f"priors released again, after training?). {error}") from None
 
     def statement(self) -> str:
         """A readable paragraph (the same format as ``keras-dp-lm epsilon``)."""

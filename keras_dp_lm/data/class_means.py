@@ -138,6 +138,15 @@ class DPClassMeans(ReleaseLayer):
             raise ValueError(f"`max_norm` must lie in [{MAX_NORM_RANGE[0]:g}, "
                              f"{MAX_NORM_RANGE[1]:g}], got {max_norm!r}.")
         self.max_norm = max_norm
+        low = [dtype for dtype in (self.dtype_policy.compute_dtype,
+                                   self.dtype_policy.variable_dtype)
+               if dtype in ("float16", "bfloat16")]
+        if low:
+            raise ValueError(
+                f"DPClassMeans needs float32 or float64: its logits scale with the "
+                f"feature size over the class spread (about 1e5 for well separated "
+                f"classes), which {low[0]} overflows or rounds away. Construct it with "
+                "dtype='float32' (also under a mixed-precision policy).")
         self.kernel = self.bias = None
         self.released_sums = self.released_counts = None
 

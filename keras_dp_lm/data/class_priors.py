@@ -131,8 +131,8 @@ class DPClassPriors:
             raise ValueError("`noise_multiplier` must be > 0: counts released without "
                              "noise are not differentially private.")
         min_count = float(min_count)
-        if not min_count > 0:
-            raise ValueError(f"`min_count` must be > 0, got {min_count!r}.")
+        if not (np.isfinite(min_count) and min_count > 0):
+            raise ValueError(f"`min_count` must be a finite number > 0, got {min_count!r}.")
         self.min_count = min_count
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be an int or None, got {seed!r}.")
@@ -183,7 +183,7 @@ class DPClassPriors:
         floored = np.maximum(self.released_counts, self.min_count)
         self.priors = floored / floored.sum()
         _RELEASED[_as_priors(self.priors).tobytes()] = (self.noise_multiplier,
-                                                        self.num_releases)
+                                                        self.num_releases, unit)
         return self.priors.copy()
 
     def dp_event(self) -> dp_accounting.DpEvent:
@@ -213,6 +213,23 @@ class DPClassPriors:
         return self.priors
 
 
+def _release_of(priors, vector):
+    """``(noise multiplier, releases, privacy unit)`` of the release ``vector``
+    (normalised priors) came from, or None. A vector within ``RELEASE_MATCH_ATOL``
+    of a released one (cast to float32, rounded) is taken as that release: counting
+    a release that public priors happen to resemble over-counts, taking released
+    priors as public would under-count."""
+    if isinstance(priors, DPClassPriors):
+        return (priors.noise_multiplier, max(priors.num_releases, 1), priors.privacy_unit)
+    exact = _RELEASED.get(vector.tobytes())
+    if exact is not None:
+        return exact
+    near = [release for key, release in _RELEASED.items()
+            if len(key) == vector.nbytes and np.max(np.abs(
+                np.frombuffer(key, dtype="float64") - vector)) <= RELEASE_MATCH_ATOL]
+    return near[-1] if near else None
+
+
 def _releases_event(noise_multiplier, count):
     """The event of ``count`` histogram releases at ``noise_multiplier``."""
     one = dp_accounting.GaussianDpEvent(noise_multiplier / release_sensitivity())
@@ -224,9 +241,12 @@ def _class_weights(priors):
 
 
 # The priors vectors released so far, by value -> (noise multiplier, releases up to
-# and including that one): a loss given one as a plain vector (``priors.priors``, or
-# ``release``'s return, also once the DPClassPriors object is gone) carries its release.
+# and including that one, privacy unit): a loss given one as a plain vector
+# (``priors.priors``, or ``release``'s return, also once the DPClassPriors object is
+# gone, or either cast to float32 or rounded) carries its release.
 _RELEASED = {}
+# Largest coordinate difference at which a plain vector is taken as a released one.
+RELEASE_MATCH_ATOL = 1e-3
 
 
 def _as_priors(priors):
@@ -253,8 +273,9 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
 
     Args:
         priors: released priors: a :class:`DPClassPriors` after ``release`` or
-            its ``priors`` vector (recognised by value: it still carries its
-            release), or public priors. Never priors counted on the private
+            its ``priors`` vector (recognised by value, also cast to float32 or
+            rounded to 3 decimals: it still carries its release), or public
+            priors. Never priors counted on the private
             labels without noise: they would be an unaccounted release.
         tau: the adjustment's scale (``0``: the plain cross-entropy).
         class_weighting: multiply each example's loss by its class weight.
@@ -286,11 +307,10 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
             raise ValueError(f"`tau` must be a finite number >= 0, got {tau!r}.")
         self.priors = _as_priors(priors)
         # The release these priors came from, which the PrivacyAccountant requires
-        # among its extra_events (a plain vector is taken as public priors).
+        # among its extra_events (a plain vector is taken as public priors unless
+        # it is a released one, exactly or within RELEASE_MATCH_ATOL).
         # It is saved with the loss (get_config), so a reloaded model still needs it.
-        self._release = ((priors.noise_multiplier, max(priors.num_releases, 1))
-                         if isinstance(priors, DPClassPriors)
-                         else _RELEASED.get(self.priors.tobytes()))
+        self._release = _release_of(priors, self.priors)
         self.tau = tau
         self.class_weighting = bool(class_weighting)
         self.from_logits = True
@@ -298,8 +318,15 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
     @property
     def release_event(self) -> dp_accounting.DpEvent | None:
         """The ``dp_accounting`` event of the release the priors came from, or
-        None for priors given as a vector (taken as public)."""
-        return None if self._release is None else _releases_event(*self._release)
+        None for priors given as a vector that no release made (taken as
+        public)."""
+        return None if self._release is None else _releases_event(*self._release[:2])
+
+    @property
+    def release_unit(self) -> str | None:
+        """The privacy unit of that release (``"example"`` or ``"user"``), None
+        for public priors or priors not released yet."""
+        return None if self._release is None else self._release[2]
 
     def call(self, y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
         ops = keras.ops
@@ -327,7 +354,8 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
                       class_weighting=self.class_weighting, from_logits=True)
         if self._release is not None:
             config["release"] = {"noise_multiplier": self._release[0],
-                                 "releases": self._release[1]}
+                                 "releases": self._release[1],
+                                 "privacy_unit": self._release[2]}
         return config
 
     @classmethod
@@ -336,7 +364,10 @@ class LogitAdjustedSparseCategoricalCrossentropy(keras.losses.Loss):
         release = config.pop("release", None)
         loss = cls(**config)
         if release is not None:
-            loss._release = (float(release["noise_multiplier"]), int(release["releases"]))
+            # A config saved before the unit was recorded: taken as example-level,
+            # which user-level training refuses (the safe reading).
+            loss._release = (float(release["noise_multiplier"]), int(release["releases"]),
+                             release.get("privacy_unit", "example"))
         return loss
 
 

@@ -101,6 +101,7 @@ def user_index(user_ids: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     """``(user of each row, rows per user)`` for ``n`` rows. Refuses ids that are
     not one finite value per row: NaN or None ids would merge unknown people into
     one user, whose rows then move a release as if they were one person's."""
+    _refuse_mixed_id_types(user_ids)
     users = np.asarray(user_ids)
     if users.ndim != 1 or len(users) != n:
         raise ValueError(f"`user_ids` must have one entry per record ({n}); got shape "
@@ -112,6 +113,20 @@ def user_index(user_ids: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
                          "its user's id (unknown people must not share one id).")
     _, inverse, per_user = np.unique(users, return_inverse=True, return_counts=True)
     return inverse.reshape(-1), per_user
+
+
+def _refuse_mixed_id_types(user_ids: Any) -> None:
+    """Refuse ids of several kinds (numbers, text, booleans): converting them to one
+    array type merges ``1`` and ``"1"`` (or ``True`` and ``1``) into one user."""
+    if isinstance(user_ids, np.ndarray) and user_ids.dtype.kind != "O":
+        return  # one dtype already: nothing was converted
+    kinds = {"text" if isinstance(u, (str, bytes, np.str_, np.bytes_)) else
+             "boolean" if isinstance(u, (bool, np.bool_)) else "number"
+             for u in np.asarray(user_ids, dtype=object).ravel()}
+    if len(kinds) > 1:
+        raise ValueError(f"`user_ids` mix {' and '.join(sorted(kinds))} ids: converted to "
+                         "one type they can merge different people (1 and '1') into one "
+                         "user. Give every id the same type.")
 
 
 class SetUntilReleased:

@@ -185,7 +185,7 @@ def records_per_user(user_ids: ArrayLike) -> np.ndarray:
         >>> records_per_user(["a", "b", "a", "c", "a"]).tolist()
         [1, 1, 3]
     """
-    _, counts = np.unique(np.asarray(user_ids), return_counts=True)
+    _, counts = user_index(user_ids, len(user_ids))
     return np.sort(counts)
 
 
