@@ -106,12 +106,13 @@ def load_unbalanced(name, data_dir):
 
 
 def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalization=None,
-                   priors=None, head_displacement=None):
+                   priors=None, head_displacement=None, epochs=None):
     """The README path plus ``DPClassPriors`` (released once, composed into the
     recipe's total with the mean's release) and the logit-adjusted loss; the test
     predictions use the raw logits. ``normalization`` / ``priors``: releases already
     made on the training split (used as they are, not released again);
-    ``head_displacement``: the recipe's (``None``: its default)."""
+    ``head_displacement``, ``epochs``: the recipe's (``None``: the default, and the
+    suite's ``DP_EPOCHS``)."""
     import keras
 
     from keras_dp_lm.data import DPClassPriors
@@ -129,7 +130,7 @@ def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalizati
         priors.release(y, user_ids=user_ids)
     displacement = {} if head_displacement is None else {"head_displacement": head_displacement}
     recipe = suggest_recipe(utility_suite._privacy_units(splits), epsilon, utility_suite.DELTA,
-                            epochs=utility_suite.DP_EPOCHS,
+                            epochs=utility_suite.DP_EPOCHS if epochs is None else epochs,
                             num_parameters=(x.shape[1] + 1) * classes, trainable="head",
                             extra_events=[normalization.dp_event(), priors.dp_event()],
                             **displacement)
@@ -144,7 +145,7 @@ def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalizati
     model.fit(batches, epochs=1, callbacks=[accountant], verbose=0, shuffle=False)
     report = accountant.report()
     return {**utility_suite._test_scores(model, xt, yt),
-            "learning_rate": float(optimizer.learning_rate.numpy()),
+            "learning_rate": float(optimizer.learning_rate.numpy()), "steps": recipe.steps,
             "released_prior_1": float(priors.priors[1]),  # a DP output
             "epsilon": accountant.epsilon, "total_epsilon": report["total_epsilon"],
             "total_delta": report["total_delta"]}

@@ -31,7 +31,7 @@ sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS.parent)]
 import balanced_heads  # noqa: E402
 import class_means_head  # noqa: E402
 import head_rule  # noqa: E402
-import utility_suite  # noqa: E402
+import imbalanced  # noqa: E402
 
 EPOCHS = (20.0, 50.0, 150.0)
 DISPLACEMENTS = (1.0, 2.0, 4.0, 8.0)
@@ -42,34 +42,12 @@ def _balanced(recall):
 
 
 def trained_head(splits, epsilon, classes, epochs, displacement):
-    """One run of the README path's trained head with these two recipe choices:
-    ``(balanced accuracy %, steps)``; its total epsilon is checked against the target."""
-    import keras
-
-    from keras_dp_lm.data import DPClassPriors
-    from keras_dp_lm.data import DPFeatureNormalization
-    from keras_dp_lm.data import LogitAdjustedSparseCategoricalCrossentropy
-    from keras_dp_lm.recipes import suggest_recipe
-
-    (x, y), (xt, yt) = splits["train"][:2], splits["test"][:2]
-    normalization = DPFeatureNormalization()
-    normalization.adapt(x)
-    priors = DPClassPriors(num_classes=classes)
-    priors.release(y)
-    recipe = suggest_recipe(len(y), epsilon, utility_suite.DELTA, epochs=epochs,
-                            num_parameters=(x.shape[1] + 1) * classes, trainable="head",
-                            extra_events=[normalization.dp_event(), priors.dp_event()],
-                            head_displacement=displacement)
-    model = keras.Sequential([keras.Input((x.shape[1],)), normalization,
-                              utility_suite._probe(x.shape[1], classes)])
-    batches = recipe.poisson_batches((x, y))
-    model.compile(optimizer=recipe.optimizer("adam"),
-                  loss=LogitAdjustedSparseCategoricalCrossentropy(priors, tau=1.0,
-                                                                  class_weighting=True))
-    accountant = recipe.accountant(batches=batches, verbose=0)
-    model.fit(batches, epochs=1, callbacks=[accountant], verbose=0, shuffle=False)
-    assert accountant.report()["total_epsilon"] <= epsilon + 1e-6
-    return _balanced(utility_suite._test_scores(model, xt, yt)["test_recall"]), recipe.steps
+    """One run of the README path's trained head (``imbalanced.dp_head_priors``) with
+    these two recipe choices: ``(balanced accuracy %, steps)``."""
+    result = imbalanced.dp_head_priors(splits, epsilon, 1.0, True, classes=classes,
+                                       head_displacement=displacement, epochs=epochs)
+    assert result["total_epsilon"] <= epsilon + 1e-6
+    return _balanced(result["test_recall"]), result["steps"]
 
 
 def noiseless_class_means(splits, classes):
