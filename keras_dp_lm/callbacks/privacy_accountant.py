@@ -450,7 +450,9 @@ class PrivacyAccountant(keras.callbacks.Callback):
     def report(self) -> dict[str, Any]:
         """:func:`privacy_report` for what the model has received so far, plus
         ``dp_updates, ledger, batch_size_source, sampling_source,
-        steps_per_execution, gradient_accumulation_steps, stopped_at``."""
+        steps_per_execution, gradient_accumulation_steps, stopped_at``. Raises
+        ``PrivacyRefusalError`` if the model now holds a release its total leaves
+        out (a layer adapted again, or priors released again, after ``fit``)."""
         if self.model is None:
             raise ValueError("report() needs the accountant to have been used in fit().")
         self._check_releases_still_counted()
