@@ -97,7 +97,7 @@ def whitener(public, shrinkage):
     mean = u.mean(0)
     values, vectors = np.linalg.eigh(np.cov((u - mean).T))
     values = np.maximum(values, 0) + shrinkage * values.mean()
-    w = vectors @ np.diag(values ** -0.5) @ vectors.T
+    w = vectors @ np.diag(values ** -TRANSFORM["power"]) @ vectors.T
     return w, -mean @ w
 
 
@@ -112,7 +112,7 @@ def all_but_the_top(public, components):
     return w, -mean @ w
 
 
-TRANSFORM = {"map": whitener}
+TRANSFORM = {"map": whitener, "power": 0.5}
 
 
 def _balanced(predicted, y, classes):
@@ -258,12 +258,16 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shrinkages", nargs="*", type=float, default=[0.1, 1.0])
     parser.add_argument("--center", choices=("public", "task"), default="public")
+    parser.add_argument("--power", type=float, default=0.5,
+                        help="the whitening's power of the covariance (0.5: full; 0.25: "
+                        "half-way to the raw features)")
     parser.add_argument("--transform", choices=("whiten", "abtt"), default="whiten",
                         help="abtt: the top principal directions projected out, the "
                         "shrinkage values read as their number")
     args = parser.parse_args(argv)
     CENTER["public"] = args.center == "public"
     TRANSFORM["map"] = all_but_the_top if args.transform == "abtt" else whitener
+    TRANSFORM["power"] = args.power
     if args.transform == "abtt":
         SHRINKAGES[:] = [1, 2, 4, 8]
     totals = {}
