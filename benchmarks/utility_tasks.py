@@ -327,28 +327,30 @@ def sources_of(tasks):
     return sorted({_SOURCES[name][0] for name in tasks})
 
 
+def source_loaders():
+    """``{source: loader}``: each feature source's texts (``loader(data_dir)`` returns
+    ``{"train", "validation", "test"}: (texts, labels[, user_ids])``), in build order."""
+    return {
+        "rotten_tomatoes": _rotten_tomatoes_texts, "fortunes_6": _fortunes_texts,
+        "fortunes_5b": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_B),
+        "shakespeare_genre": _shakespeare_texts,
+        "fortunes_4c": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_C),
+        "shakespeare_history": lambda d: _shakespeare_texts(d, (HISTORIES, COMEDIES_B)),
+        "fortunes_4d": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_D),
+        "fortunes_5e": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_E),
+        "folio_genre": _folio_texts, "kjv_division": _kjv_texts,
+        "milton_shakespeare": _milton_shakespeare_texts,
+        "fortunes_5f": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_F),
+        "kjv_gospel": _kjv_gospel_texts, "milton_work": _milton_work_texts,
+        "shakespeare_play": lambda d: _shakespeare_texts(d, tuple((play,) for play in PLAYS_F))}
+
+
 def build_cache(data_dir, sources=None):
     """Compute (once) the features of every source (or of ``sources`` only);
     returns the cache paths."""
     classifier = None
     paths = []
-    for source, loader in (
-            ("rotten_tomatoes", _rotten_tomatoes_texts), ("fortunes_6", _fortunes_texts),
-            ("fortunes_5b", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_B)),
-            ("shakespeare_genre", _shakespeare_texts),
-            ("fortunes_4c", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_C)),
-            ("shakespeare_history",
-             lambda d: _shakespeare_texts(d, (HISTORIES, COMEDIES_B))),
-            ("fortunes_4d", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_D)),
-            ("fortunes_5e", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_E)),
-            ("folio_genre", _folio_texts),
-            ("kjv_division", _kjv_texts),
-            ("milton_shakespeare", _milton_shakespeare_texts),
-            ("fortunes_5f", lambda d: _fortunes_texts(d, FORTUNE_TOPICS_F)),
-            ("kjv_gospel", _kjv_gospel_texts),
-            ("milton_work", _milton_work_texts),
-            ("shakespeare_play",
-             lambda d: _shakespeare_texts(d, tuple((play,) for play in PLAYS_F)))):
+    for source, loader in source_loaders().items():
         if sources is not None and source not in sources:
             continue
         path = cache_path(data_dir, source)

@@ -1,0 +1,110 @@
+"""Diagnostic: richer features from the same frozen encoder, several layers pooled (issue 52).
+
+Not part of the suite and not a test. The utility suite's features are MiniLM's
+mean-pooled *last* layer (``utility_tasks``). Issue 52's lever 2 asks whether richer
+public features narrow the DP heads' gap to the non-private probe on the same features.
+This script computes, once per feature source, the mean-pooled output of every layer of
+the same encoder (the embeddings and the six transformer layers), and writes feature
+variants in the suite's cache format under ``<data-dir>/variants/<variant>/``, so that
+every benchmark reads them with ``--data-dir <data-dir>/variants/<variant>``:
+
+* ``last``: the last layer (the suite's own features, recomputed: a check);
+* ``mean_all``: the average of the six transformer layers' mean-pools (384 dims);
+* ``mean_top3``: the average of layers 4-6;
+* ``concat_3_6``: layers 3 and 6 side by side (768 dims: twice the head's parameters).
+
+``--screen``: the noiseless class-means and oracle-discriminant ceilings of
+``whitened_class_means.py`` on each variant (fast; no DP, no probe training).
+
+    python benchmarks/variants/layer_features.py --data-dir data --sources fortunes_5f
+    python benchmarks/variants/layer_features.py --data-dir data --screen --tasks fortunes_5f
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS.parent), str(BENCHMARKS / "variants")]
+
+import utility_tasks  # noqa: E402
+
+LAYERS = 6
+VARIANTS = {"last": lambda pools: pools[LAYERS],
+            "mean_all": lambda pools: pools[1:].mean(0),
+            "mean_top3": lambda pools: pools[4:].mean(0),
+            "concat_3_6": lambda pools: np.concatenate([pools[3], pools[6]], -1)}
+
+
+def layer_pools(classifier, texts, batch_size=256):
+    """``[LAYERS + 1, N, d]``: the mean-pooled embeddings and transformer layers."""
+    import keras
+    import tensorflow as tf
+
+    backbone = classifier.backbone
+    outputs = [backbone.get_layer("embeddings_layer_norm").output] + [
+        backbone.get_layer(f"transformer_layer_{i}").output for i in range(LAYERS)]
+    tap = keras.Model(backbone.inputs, outputs)
+    out = []
+    for start in range(0, len(texts), batch_size):
+        tokens = classifier.preprocessor(tf.constant(texts[start:start + batch_size]))
+        hidden = np.stack([np.asarray(h) for h in tap.predict_on_batch(tokens)])
+        mask = np.asarray(tokens["padding_mask"], "float32")[None, ..., None]
+        out.append((hidden * mask).sum(2) / np.maximum(mask.sum(2), 1.0))
+    return np.concatenate(out, axis=1).astype("float32")
+
+
+def build(data_dir, sources):
+    loaders = utility_tasks.source_loaders()
+    classifier = None
+    for source in sources:
+        paths = {v: utility_tasks.cache_path(Path(data_dir) / "variants" / v, source)
+                 for v in VARIANTS}
+        if all(p.exists() for p in paths.values()):
+            continue
+        classifier = classifier or utility_tasks._encoder()  # noqa: SLF001 - the suite's
+        arrays = {v: {} for v in VARIANTS}
+        for split, (texts, labels, *users) in loaders[source](data_dir).items():
+            pools = layer_pools(classifier, texts)
+            for variant, combine in VARIANTS.items():
+                arrays[variant][f"{split}_x"] = combine(pools)
+                arrays[variant][f"{split}_y"] = labels
+                if users:
+                    arrays[variant][f"{split}_u"] = users[0]
+            print(f"{source} {split}: {len(texts)} texts", file=sys.stderr, flush=True)
+        for variant, path in paths.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(path, **arrays[variant])
+
+
+def screen(data_dir, tasks):
+    import head_rule
+    import whitened_class_means
+
+    for name in tasks:
+        for variant in VARIANTS:
+            splits, classes, _ = head_rule.load(name, Path(data_dir) / "variants" / variant)
+            train, test = splits["train"][:2], splits["test"][:2]
+            cells = {"means": whitened_class_means.nearest_mean(train, test, classes),
+                     "oracle LDA s1": whitened_class_means.nearest_mean(train, test,
+                                                                        classes, 1.0)}
+            print(f"{name} {variant} dims {train[0].shape[1]} " + " ".join(
+                f"{k}:{100 * v:.1f}" for k, v in cells.items()), flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--sources", nargs="*", default=[])
+    parser.add_argument("--screen", action="store_true")
+    parser.add_argument("--tasks", nargs="*", default=[])
+    args = parser.parse_args(argv)
+    build(args.data_dir, args.sources)
+    if args.screen:
+        screen(args.data_dir, args.tasks)
+
+
+if __name__ == "__main__":
+    main()
