@@ -82,6 +82,18 @@ only with it (no choice was made on them):
   Juliet, A Midsummer Night's Dream) a passage is from (``text_records``, 200 /
   40: 3,440 records; speaker tags and stage directions kept, so character
   names are a cue), 70/15/15 seeded split, a seeded 1,500-example train subset.
+* Sixth held-out round (``SIXTH_ROUND_TASKS``; defined after
+  ``benchmarks/results/layer_features.md``'s noiseless screen, before any model ran on
+  them): several classes, small data, texts no earlier task used as classes, each
+  ``text_records`` (200 / 40) or quotations, 70/15/15 seeded split.
+  ``kjv_pentateuch_800``: which of the five books of the law (Genesis-Deuteronomy), a
+  seeded 800-example train subset. ``kjv_prophets_1000``: Isaiah, Jeremiah, Ezekiel or
+  the twelve minor prophets (Hosea-Malachi, one class), a seeded 1,000-example train
+  subset. ``kjv_epistles``: Romans, 1 Corinthians, Hebrews or the general epistles
+  (James-Jude, one class), every training record. ``shakespeare_play_g_1200``: The
+  Winter's Tale, Coriolanus, The Comedy of Errors or Henry VI part 2 (speaker tags
+  kept), a seeded 1,200-example train subset. ``fortunes_4g``: four ``fortunes`` files
+  no task used (ethnic, tao, medicine, paradoxum; 392 quotations), every training one.
 
     python benchmarks/utility_tasks.py --data-dir data     # compute the cache
 """
@@ -131,6 +143,17 @@ FORTUNE_TOPICS_F = ("knghtbrd", "miscellaneous", "disclaimer", "linuxcookie", "d
 KJV_GOSPELS = ("matthew", "mark", "luke", "john")
 MILTON_WORKS = ("paradise_lost", "paradise_regained", "minor_poems", "areopagitica")
 PLAYS_F = ("tempest", "julius_caesar", "romeo_and_juliet", "midsummer_nights_dream")
+# Sixth held-out round (benchmarks/results/layer_features.md).
+KJV_PENTATEUCH = (("genesis",), ("exodus",), ("leviticus",), ("numbers",), ("deuteronomy",))
+KJV_PROPHETS = (("isaiah",), ("jeremiah",), ("ezekiel",),
+                ("hosea", "joel", "amos", "obadiah", "jonah", "micah", "nahum", "habakkuk",
+                 "zephaniah", "haggai", "zechariah", "malachi"))
+KJV_EPISTLES = (("romans",), ("1_corinthians",), ("hebrews",),
+                ("james", "1_peter", "2_peter", "1_john", "2_john", "3_john", "jude"))
+PLAYS_G = ("winters_tale", "coriolanus", "comedy_of_errors", "henry_vi_part_2")
+FORTUNE_TOPICS_G = ("ethnic", "tao", "medicine", "paradoxum")
+SIXTH_ROUND_TASKS = ("kjv_pentateuch_800", "kjv_prophets_1000", "kjv_epistles",
+                     "shakespeare_play_g_1200", "fortunes_4g")
 FIFTH_ROUND_TASKS = ("fortunes_5f", "fortunes_5f_unit_norm", "kjv_gospel", "milton_work_600",
                      "shakespeare_play_1500")
 # Each fifth-round task's public stand-in for the suite's proxy row: an earlier task
@@ -144,11 +167,13 @@ FIFTH_ROUND_PROXY = {"fortunes_5f": "rotten_tomatoes_3000",
 TUNING_TASKS = ("rotten_tomatoes", "rotten_tomatoes_3000", "fortunes_6", "fortunes_6_1000")
 HELD_OUT_TASKS = ("fortunes_5b", "shakespeare_genre_2000", "fortunes_4c",
                   "shakespeare_history_2000", "fortunes_4d", "fortunes_5e", "folio_genre",
-                  "folio_genre_speaker") + FOURTH_ROUND_TASKS + FIFTH_ROUND_TASKS
+                  "folio_genre_speaker") + FOURTH_ROUND_TASKS + FIFTH_ROUND_TASKS \
+    + SIXTH_ROUND_TASKS
 TASKS = TUNING_TASKS + HELD_OUT_TASKS
 # The sixteen tasks of the first four rounds: the development tasks of the procedure's
 # revision (``utility_suite.py --tasks`` defaults to every task, the fifth round too).
-DEVELOPMENT_TASKS = tuple(t for t in TASKS if t not in FIFTH_ROUND_TASKS)
+DEVELOPMENT_TASKS = tuple(t for t in TASKS
+                          if t not in FIFTH_ROUND_TASKS + SIXTH_ROUND_TASKS)
 # Tasks whose privacy unit is a user (the ``<split>_u`` arrays of the cache).
 USER_LEVEL_TASKS = ("folio_genre_speaker",)
 # task -> (feature source, seeded train subset size or None)
@@ -169,7 +194,12 @@ _SOURCES = {"rotten_tomatoes": ("rotten_tomatoes", None),
             "fortunes_5f_unit_norm": ("fortunes_5f", None),
             "kjv_gospel": ("kjv_gospel", None),
             "milton_work_600": ("milton_work", 600),
-            "shakespeare_play_1500": ("shakespeare_play", 1500)}
+            "shakespeare_play_1500": ("shakespeare_play", 1500),
+            "kjv_pentateuch_800": ("kjv_pentateuch", 800),
+            "kjv_prophets_1000": ("kjv_prophets", 1000),
+            "kjv_epistles": ("kjv_epistles", None),
+            "shakespeare_play_g_1200": ("shakespeare_play_g", 1200),
+            "fortunes_4g": ("fortunes_4g", None)}
 # task -> the label of each of its source's classes (a coarser task on the same features)
 _LABEL_MAPS = {"kjv_testament_2000": KJV_TESTAMENTS}
 SEQUENCE_LENGTH = 64
@@ -288,6 +318,15 @@ def _kjv_gospel_texts(data_dir):
     return _labelled([corpora.text_records(books[name], 200, 40) for name in KJV_GOSPELS])
 
 
+def _kjv_book_texts(data_dir, groups):
+    """One class per group of books: ``text_records`` of each book, 70/15/15."""
+    from keras_dp_lm import corpora
+
+    books = corpora.load_kjv(data_dir)
+    return _labelled([[r for name in group for r in corpora.text_records(books[name], 200, 40)]
+                      for group in groups])
+
+
 def _milton_work_texts(data_dir):
     """Which of Milton's works: ``text_records`` of each, 70/15/15."""
     from keras_dp_lm import corpora
@@ -342,7 +381,12 @@ def source_loaders():
         "milton_shakespeare": _milton_shakespeare_texts,
         "fortunes_5f": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_F),
         "kjv_gospel": _kjv_gospel_texts, "milton_work": _milton_work_texts,
-        "shakespeare_play": lambda d: _shakespeare_texts(d, tuple((play,) for play in PLAYS_F))}
+        "shakespeare_play": lambda d: _shakespeare_texts(d, tuple((play,) for play in PLAYS_F)),
+        "kjv_pentateuch": lambda d: _kjv_book_texts(d, KJV_PENTATEUCH),
+        "kjv_prophets": lambda d: _kjv_book_texts(d, KJV_PROPHETS),
+        "kjv_epistles": lambda d: _kjv_book_texts(d, KJV_EPISTLES),
+        "shakespeare_play_g": lambda d: _shakespeare_texts(d, tuple((p,) for p in PLAYS_G)),
+        "fortunes_4g": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_G)}
 
 
 def build_cache(data_dir, sources=None):
