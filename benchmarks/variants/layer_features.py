@@ -15,6 +15,8 @@ every benchmark reads them with ``--data-dir <data-dir>/variants/<variant>``:
 
 ``--screen``: the noiseless class-means and oracle-discriminant ceilings of
 ``whitened_class_means.py`` on each variant (fast; no DP, no probe training).
+``--compare LAST_JSON VARIANT_JSON``: the DP screen's criterion numbers from two
+``head_rule.py`` row files (``benchmarks/results/layer_features.md``).
 
     python benchmarks/variants/layer_features.py --data-dir data --sources fortunes_5f
     python benchmarks/variants/layer_features.py --data-dir data --screen --tasks fortunes_5f
@@ -94,13 +96,47 @@ def screen(data_dir, tasks):
                 f"{k}:{100 * v:.1f}" for k, v in cells.items()), flush=True)
 
 
+def compare(base_rows, new_rows, variant="la_weights"):
+    """The criterion's numbers: per task, balanced accuracy and gap to the probe (same
+    features) at the bar's epsilon, for ``variant`` on two featurizations' rows."""
+    def cells(rows):
+        out = {}
+        for row in rows:
+            units = row.get("smallest_class_units", row["smallest_class"])
+            eps = "eps8" if units < 400 else "eps3"
+            probe = float(np.mean(row["non_private_balanced"]["test_recall"]))
+            runs = row["variants"][variant][eps]
+            score = float(np.mean([np.mean(r["test_recall"]) for r in runs]))
+            out[row["task"]] = (100 * score, 100 * (score - probe), eps)
+        return out
+    base, new = cells(base_rows), cells(new_rows)
+    tasks = [t for t in new if t in base]
+    for t in tasks:
+        print(f"{t} ({new[t][2]}): last {base[t][0]:.1f} gap {base[t][1]:+.1f} | "
+              f"concat_3_6 {new[t][0]:.1f} gap {new[t][1]:+.1f}")
+    for label, c in (("last", base), ("concat_3_6", new)):
+        print(f"{label}: mean balanced {np.mean([c[t][0] for t in tasks]):.2f}, mean gap "
+              f"{np.mean([c[t][1] for t in tasks]):+.2f}, within 3 points on "
+              f"{sum(c[t][1] >= -3 for t in tasks)} of {len(tasks)}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--sources", nargs="*", default=[])
     parser.add_argument("--screen", action="store_true")
     parser.add_argument("--tasks", nargs="*", default=[])
+    parser.add_argument("--compare", nargs=2, metavar=("LAST_JSON", "VARIANT_JSON"),
+                        help="print the DP screen's criterion numbers from two row files")
     args = parser.parse_args(argv)
+    if args.compare:
+        import json
+
+        rows = [json.loads(Path(path).read_text()) for path in args.compare]
+        for variant in ("la_weights", "class_means"):
+            print(f"{variant}:")
+            compare(*rows, variant)
+        return
     build(args.data_dir, args.sources)
     if args.screen:
         screen(args.data_dir, args.tasks)
