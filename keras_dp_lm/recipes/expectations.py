@@ -4,7 +4,8 @@ Measurements, not rules: nothing here changes a recipe's hyperparameters. The
 numbers come from ``benchmarks/results/class_means_head.md`` and
 ``benchmarks/results/head_rule.md`` (the README's path on the 21 labelled tasks of the
 utility suite, frozen MiniLM features, in balanced accuracy; the head rule's held-out
-rounds); update them with those files.
+rounds) and ``benchmarks/results/layer_features.md`` (the same path on the five small
+tasks of the sixth held-out round); update them with those files.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def data_regime(n: int, num_classes: int) -> str:
                 "within 3 points of the best non-private head's balanced accuracy on 9, "
                 "and at most 5.1 below (a class of 311 among five)" + rare)
     return (f"data regime: small, {per_class:.0f} privacy units per class (N / num_classes), "
-            f"under {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 10 such tasks "
+            f"under {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 15 such tasks "
             "(frozen MiniLM features) the README's trained head at epsilon 3 ended 0.2 "
             "above to 17.1 points below the best non-private head's balanced accuracy, "
-            "more than 3 below on 6 (at epsilon 8 on 3, by 5.0-6.6, each with a class of "
-            "50-61 examples among four or five), about what a non-private head loses on a "
-            "quarter to half of the data; more examples per class or a larger epsilon "
-            "close it (benchmarks/results/head_rule.md)" + rare)
+            "more than 3 below on 11 (at epsilon 8 on 6: by 5.0-6.6 on three with a class "
+            "of 50-61 examples among four or five, by 3.1-4.2 on three of the five newest, "
+            "held out, with 132-220 among four or five), about what a non-private head "
+            "loses on a quarter to half of the data; more examples per class or a larger "
+            "epsilon close it (benchmarks/results/head_rule.md, layer_features.md)" + rare)
