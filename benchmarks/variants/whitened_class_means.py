@@ -26,7 +26,8 @@ family), a fixed public linear map applied before the private releases, and asks
   class means alone at the same total epsilon.
 
 ``--center public`` subtracts the public mean with the whitening; ``--center task``
-leaves the centring to ``DPFeatureNormalization`` (the task's DP mean). Results and
+leaves the centring to ``DPFeatureNormalization`` (the task's DP mean); ``--power
+0.25`` whitens half-way (the covariance's power -1/4). Results and
 their reading: ``benchmarks/results/whitened_class_means.md`` (nothing adopted).
 Gaps to the non-private probe picked on validation balanced accuracy (stored rows of
 ``class_means_head.py``; computed when a task has none).
@@ -167,36 +168,36 @@ def ceiling_cells(splits, classes, public):
     return cells
 
 
-def dp_cells(splits, classes, public, repeats, shrinkages):
+def head_cells(splits, classes, public, repeats, shrinkages, head, prefix=""):
+    """Mean balanced accuracy of ``head(splits, epsilon, classes)`` (a benchmark
+    function returning ``test_recall``) over ``repeats``, on raw and on whitened
+    features, total epsilon 3 and 8."""
     cells = {}
     for eps in (3.0, 8.0):
         variants = {"raw": splits}
         variants.update({f"white s{s:g}": whiten(splits, *TRANSFORM["map"](public, s))
                          for s in shrinkages})
         for label, data in variants.items():
-            runs = [class_means_head.dp_class_means(data, eps, classes)
-                    for _ in range(repeats)]
-            cells[f"{label} eps{eps:g}"] = float(np.mean(
+            runs = [head(data, eps, classes) for _ in range(repeats)]
+            cells[f"{prefix}{label} eps{eps:g}"] = float(np.mean(
                 [np.mean(r["test_recall"]) for r in runs]))
     return cells
+
+
+def dp_cells(splits, classes, public, repeats, shrinkages):
+    """The class means (``class_means_head.dp_class_means``)."""
+    return head_cells(splits, classes, public, repeats, shrinkages,
+                      class_means_head.dp_class_means)
 
 
 def trained_cells(splits, classes, public, repeats, shrinkages):
-    """The README path's trained head (``imbalanced.dp_head_priors``) on raw and on
-    whitened features, total epsilon 3 and 8."""
+    """The README path's trained head (``imbalanced.dp_head_priors``)."""
     import imbalanced
 
-    cells = {}
-    for eps in (3.0, 8.0):
-        variants = {"raw": splits}
-        variants.update({f"white s{s:g}": whiten(splits, *TRANSFORM["map"](public, s))
-                         for s in shrinkages})
-        for label, data in variants.items():
-            runs = [imbalanced.dp_head_priors(data, eps, 1.0, True, classes=classes)
-                    for _ in range(repeats)]
-            cells[f"trained {label} eps{eps:g}"] = float(np.mean(
-                [np.mean(r["test_recall"]) for r in runs]))
-    return cells
+    def trained(data, eps, classes):
+        return imbalanced.dp_head_priors(data, eps, 1.0, True, classes=classes)
+
+    return head_cells(splits, classes, public, repeats, shrinkages, trained, "trained ")
 
 
 def dp_lda_cells(splits, classes, repeats, shrinkages, rng):
