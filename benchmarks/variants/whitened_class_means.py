@@ -23,7 +23,8 @@ family), a fixed public linear map applied before the private releases, and asks
   whitened features;
 * ``dp-lda``: a numpy simulation of a DP linear discriminant whose within-class
   covariance comes from one more Gaussian release (of the second moment), against the
-  class means alone at the same total epsilon.
+  class means alone at the same total epsilon; ``dp-lda-lowrank``: the same with the
+  covariance released only in the top principal directions of the public features.
 
 ``--center public`` subtracts the public mean with the whitening; ``--center task``
 leaves the centring to ``DPFeatureNormalization`` (the task's DP mean); ``--power
@@ -200,15 +201,54 @@ def trained_cells(splits, classes, public, repeats, shrinkages):
     return head_cells(splits, classes, public, repeats, shrinkages, trained, "trained ")
 
 
+def _normalized_release_inputs(x, xt, classes, eps):
+    """The normalization's release (the package's layer), its output scaled to norm at
+    most 1 as ``DPClassMeans`` sees it, and the noise (in units of the sensitivity)
+    that composes with it to ``eps``: ``(norm, u, u_test, sigma)``."""
+    from keras_dp_lm.data import DPClassMeans
+    from keras_dp_lm.data import DPFeatureNormalization
+    from keras_dp_lm.data.feature_normalization import HEAD_FEATURE_NORM
+    from keras_dp_lm.data.releases import COUNT_NOISE_SCALE
+
+    norm = DPFeatureNormalization()
+    norm.adapt(x)
+    u, ut = (np.asarray(norm(a), "float64") for a in (x, xt))
+    u, ut = (a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), HEAD_FEATURE_NORM)
+             for a in (u, ut))
+    sigma = DPClassMeans.for_budget(classes, eps, 1e-6, extra_events=[
+        norm.dp_event()]).noise_multiplier / np.sqrt(1 + COUNT_NOISE_SCALE ** -2)
+    return norm, u, ut, sigma
+
+
+def _noised_means(u, onehot, noise, rng):
+    """Released class sums and counts (count noise ``COUNT_NOISE_SCALE`` x): the means
+    and the counts."""
+    from keras_dp_lm.data.releases import COUNT_NOISE_SCALE
+
+    sums = onehot.T @ u + rng.normal(0, noise, (onehot.shape[1], u.shape[1]))
+    counts = np.maximum(onehot.sum(0) + rng.normal(0, COUNT_NOISE_SCALE * noise,
+                                                    onehot.shape[1]), 1.0)
+    return sums / counts[:, None], counts
+
+
+def _discriminant(ut, mu, w, noise, counts):
+    """``argmax_c u W mu_c - (mu_c W mu_c - tr(W) noise^2 / n_c^2) / 2``."""
+    solved = w @ mu.T
+    bias = 0.5 * ((mu.T * solved).sum(0) - np.trace(w) * noise ** 2 / counts ** 2)
+    return np.argmax(ut @ solved - bias, 1)
+
+
+def _noised_second_moment(z, noise, rng):
+    upper = np.triu(z.T @ z + rng.normal(0, noise, (z.shape[1], z.shape[1])))
+    return upper + np.triu(upper, 1).T
+
+
 def dp_lda_cells(splits, classes, repeats, shrinkages, rng):
     """Simulated DP linear discriminant: one Gaussian release of the class sums,
     the counts and the second moment (upper triangle) of the normalised features,
     at the noise that makes it compose with the normalization to epsilon (its L2
     sensitivity: sqrt(2 + 1/k^2) in units of the noise, k the count noise scale),
     against the class means alone (sqrt(1 + 1/k^2)) at the same epsilon."""
-    from keras_dp_lm.data import DPClassMeans
-    from keras_dp_lm.data import DPFeatureNormalization
-    from keras_dp_lm.data.feature_normalization import HEAD_FEATURE_NORM
     from keras_dp_lm.data.releases import COUNT_NOISE_SCALE
 
     (x, y), (xt, yt) = splits["train"][:2], splits["test"][:2]
@@ -216,48 +256,78 @@ def dp_lda_cells(splits, classes, repeats, shrinkages, rng):
     cells = {}
     for eps in (3.0, 8.0):
         for _ in range(repeats):
-            norm = DPFeatureNormalization()
-            norm.adapt(x)
-            u, ut = (np.asarray(norm(a), "float64") for a in (x, xt))
-            u, ut = (a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True),
-                                    HEAD_FEATURE_NORM) for a in (u, ut))
-            sigma = DPClassMeans.for_budget(classes, eps, 1e-6, extra_events=[
-                norm.dp_event()]).noise_multiplier / np.sqrt(1 + k2)
+            _, u, ut, sigma = _normalized_release_inputs(x, xt, classes, eps)
             d = u.shape[1]
             onehot = np.eye(classes)[y]
             for label, joint in [("means", False)] + [(f"lda s{s:g}", s) for s in shrinkages]:
                 noise = sigma * np.sqrt((2 if joint else 1) + k2)
-                sums = onehot.T @ u + rng.normal(0, noise, (classes, d))
-                counts = np.maximum(onehot.sum(0) + rng.normal(0, COUNT_NOISE_SCALE * noise,
-                                                                classes), 1.0)
-                mu = sums / counts[:, None]
+                mu, counts = _noised_means(u, onehot, noise, rng)
                 if joint:
-                    upper = np.triu(u.T @ u + rng.normal(0, noise, (d, d)))
-                    second = upper + np.triu(upper, 1).T
                     n = counts.sum()
-                    within = second / n - (mu.T * (counts / n)) @ mu \
+                    within = _noised_second_moment(u, noise, rng) / n \
+                        - (mu.T * (counts / n)) @ mu \
                         + np.eye(d) * noise ** 2 * np.sum(1 / counts) / n
                     values, vectors = np.linalg.eigh(within)
                     values = np.maximum(values, 0) + joint * np.trace(within) / d
                     w = vectors @ np.diag(1 / values) @ vectors.T
                 else:
                     w = np.eye(d)
-                solved = w @ mu.T
-                bias = 0.5 * ((mu.T * solved).sum(0) - np.trace(w) * noise ** 2 / counts ** 2)
-                predicted = np.argmax(ut @ solved - bias, 1)
                 cells.setdefault(f"{label} eps{eps:g}", []).append(
-                    _balanced(predicted, yt, classes))
+                    _balanced(_discriminant(ut, mu, w, noise, counts), yt, classes))
+    return {k: float(np.mean(v)) for k, v in cells.items()}
+
+
+def dp_lowrank_lda_cells(splits, classes, public, repeats, ranks, rng):
+    """As ``dp_lda_cells``, the covariance released only in the top ``rank``
+    principal directions of the public features (normalised by the task's layer,
+    post-processing): a ``rank x rank`` second moment instead of ``d x d``; the
+    discriminant is that covariance's inverse in the subspace and a released
+    isotropic spread (the trace left over, over ``d - rank``) outside it."""
+    from keras_dp_lm.data.releases import COUNT_NOISE_SCALE
+
+    (x, y), (xt, yt) = splits["train"][:2], splits["test"][:2]
+    k2 = COUNT_NOISE_SCALE ** -2
+    cells = {}
+    for eps in (3.0, 8.0):
+        for _ in range(repeats):
+            norm, u, ut, sigma = _normalized_release_inputs(x, xt, classes, eps)
+            pub = np.asarray(norm(public), "float64")
+            pub /= np.maximum(np.linalg.norm(pub, axis=1, keepdims=True), 1e-12)
+            _, vectors = np.linalg.eigh(np.cov((pub - pub.mean(0)).T))
+            d = u.shape[1]
+            onehot = np.eye(classes)[y]
+            for label, rank in [("means", 0)] + [(f"lda rank {r}", r) for r in ranks]:
+                noise = sigma * np.sqrt((2 if rank else 1) + k2)
+                mu, counts = _noised_means(u, onehot, noise, rng)
+                w = np.eye(d)
+                if rank:
+                    basis = vectors[:, -rank:]
+                    n, m = counts.sum(), mu @ basis
+                    within = _noised_second_moment(u @ basis, noise, rng) / n \
+                        - (m.T * (counts / n)) @ m \
+                        + np.eye(rank) * noise ** 2 * np.sum(1 / counts) / n
+                    total = 1.0 - float(np.sum(counts / n * (
+                        (mu * mu).sum(1) - d * noise ** 2 / counts ** 2)))
+                    outside = max((total - np.trace(within)) / (d - rank), 1e-6)
+                    values, inner = np.linalg.eigh(within)
+                    values = np.maximum(values, outside)
+                    w = (basis @ inner @ np.diag(1 / values) @ inner.T @ basis.T
+                         + (np.eye(d) - basis @ basis.T) / outside)
+                cells.setdefault(f"{label} eps{eps:g}", []).append(
+                    _balanced(_discriminant(ut, mu, w, noise, counts), yt, classes))
     return {k: float(np.mean(v)) for k, v in cells.items()}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default="data")
-    parser.add_argument("--mode", choices=("ceiling", "dp", "dp-lda", "trained"), default="ceiling")
+    parser.add_argument("--mode", default="ceiling", choices=(
+        "ceiling", "dp", "dp-lda", "dp-lda-lowrank", "trained"))
     parser.add_argument("--tasks", nargs="*", default=list(class_means_head.SMALL_SUITE)
                         + list(class_means_head.LARGE_SUITE))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shrinkages", nargs="*", type=float, default=[0.1, 1.0])
+    parser.add_argument("--shrinkages", nargs="*", type=float, default=[0.1, 1.0],
+                        help="the shrinkages (dp-lda-lowrank: the ranks)")
     parser.add_argument("--center", choices=("public", "task"), default="public")
     parser.add_argument("--power", type=float, default=0.5,
                         help="the whitening's power of the covariance (0.5: full; 0.25: "
@@ -282,6 +352,10 @@ def main(argv=None):
             cells = dp_cells(splits, classes, public, args.repeats, args.shrinkages)
         elif args.mode == "trained":
             cells = trained_cells(splits, classes, public, args.repeats, args.shrinkages)
+        elif args.mode == "dp-lda-lowrank":
+            cells = dp_lowrank_lda_cells(splits, classes, public, args.repeats,
+                                         [int(r) for r in args.shrinkages],
+                                         np.random.default_rng(0))
         else:
             cells = dp_lda_cells(splits, classes, args.repeats, args.shrinkages,
                                  np.random.default_rng(0))
