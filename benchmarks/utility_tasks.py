@@ -171,7 +171,8 @@ HELD_OUT_TASKS = ("fortunes_5b", "shakespeare_genre_2000", "fortunes_4c",
     + SIXTH_ROUND_TASKS
 TASKS = TUNING_TASKS + HELD_OUT_TASKS
 # The sixteen tasks of the first four rounds: the development tasks of the procedure's
-# revision (``utility_suite.py --tasks`` defaults to every task, the fifth round too).
+# revision (``utility_suite.py --tasks`` defaults to every task, the fifth and sixth
+# rounds too).
 DEVELOPMENT_TASKS = tuple(t for t in TASKS
                           if t not in FIFTH_ROUND_TASKS + SIXTH_ROUND_TASKS)
 # Tasks whose privacy unit is a user (the ``<split>_u`` arrays of the cache).
