@@ -133,6 +133,15 @@ def _rare(runs, eps=None):
     return 100 * recall.mean(), 100 * recall[1]
 
 
+def bar_epsilon(row):
+    """The epsilon at which issue 52's bar reads a row's gap: 8 below
+    ``SMALL_DATA_UNITS_PER_CLASS`` privacy units in the smallest class, else 3."""
+    from keras_dp_lm.recipes.expectations import SMALL_DATA_UNITS_PER_CLASS
+
+    units = row.get("smallest_class_units", row["smallest_class"])
+    return 8.0 if units < SMALL_DATA_UNITS_PER_CLASS else 3.0
+
+
 def bar_markdown(rows):
     """Issue 52's bar, every row. Unbalanced tasks: balanced accuracy / rare recall,
     the gap at epsilon 8 and the three parts of the bar. Suite tasks: balanced
@@ -145,8 +154,7 @@ def bar_markdown(rows):
         score = _rare if unbalanced else (lambda runs, eps=None: balanced_heads._scores(
             runs if eps is None else runs[f"eps{eps:g}"])[1:])
         probe = score([row["non_private_balanced"]])
-        units = row.get("smallest_class_units", row["smallest_class"])
-        bar_eps = 8.0 if unbalanced or units < 400 else 3.0
+        bar_eps = 8.0 if unbalanced else bar_epsilon(row)
         for variant, runs in row["variants"].items():
             eps3, eps8 = score(runs, 3.0), score(runs, 8.0)
             gap = (eps8 if bar_eps == 8.0 else eps3)[0] - probe[0]

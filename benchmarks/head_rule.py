@@ -181,7 +181,7 @@ def bar_markdown(rows):
         rare = row["rare_class"]
         share = row["smallest_class"] * row["classes"] / row["train_size"]
         probe = _scores([row["non_private_balanced"]], rare)
-        bar_eps = 8.0 if row.get("smallest_class_units", row["smallest_class"]) < 400 else 3.0
+        bar_eps = class_means_head.bar_epsilon(row)
         rare_part = rare is not None and row["smallest_class"] / row["train_size"] <= 0.2
         for variant, runs in row["variants"].items():
             eps3, eps8 = (_scores(runs[f"eps{eps:g}"], rare) for eps in (3.0, 8.0))

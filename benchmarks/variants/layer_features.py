@@ -31,6 +31,7 @@ import numpy as np
 BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS.parent), str(BENCHMARKS / "variants")]
 
+import class_means_head  # noqa: E402
 import utility_tasks  # noqa: E402
 
 LAYERS = 6
@@ -102,8 +103,7 @@ def compare(base_rows, new_rows, variant="la_weights"):
     def cells(rows):
         out = {}
         for row in rows:
-            units = row.get("smallest_class_units", row["smallest_class"])
-            eps = "eps8" if units < 400 else "eps3"
+            eps = f"eps{class_means_head.bar_epsilon(row):g}"
             probe = float(np.mean(row["non_private_balanced"]["test_recall"]))
             runs = row["variants"][variant][eps]
             score = float(np.mean([np.mean(r["test_recall"]) for r in runs]))

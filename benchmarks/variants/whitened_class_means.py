@@ -52,20 +52,13 @@ import balanced_heads  # noqa: E402
 import class_means_head  # noqa: E402
 import head_rule  # noqa: E402
 import utility_tasks  # noqa: E402
+from head_levers import _family as family  # noqa: E402 - the same families there
+from head_levers import _unit  # noqa: E402
 
 STORED = tuple(BENCHMARKS / "results" / name for name in (
     "class_means_head.json", "class_means_head_development.json", "head_rule.json",
     "head_rule_second_round.json"))
 SHRINKAGES = [0.03, 0.1, 0.3, 1.0]
-FAMILIES = ("fortunes", "kjv", "rotten", "milton", "shakespeare")
-
-
-def family(source):
-    """The text families a feature source draws on (folio is Shakespeare)."""
-    source = source.replace("folio", "shakespeare")
-    return {name for name in FAMILIES if name in source}
-
-
 def source_of(name):
     """The feature cache a task reads (a held-out unbalanced task: its suite source's)."""
     rule_tasks = {**head_rule.HELD_OUT, **head_rule.SECOND_ROUND}
@@ -86,10 +79,6 @@ def public_features(data_dir, source):
     paths = sorted(glob.glob(os.path.join(data_dir, "utility_suite", "*_minilm_mean.npz")))
     return np.concatenate([np.load(p)["train_x"] for p in paths
                            if not family(os.path.basename(p)) & mine])
-
-
-def _unit(x):
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 def whitener(public, shrinkage):
