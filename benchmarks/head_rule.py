@@ -140,12 +140,39 @@ def dp_rule(splits, epsilon, classes, picks=picks_class_means):
     return {**result, "head": head, "released_share_of_equal": released_share}
 
 
+def dp_warm_means(splits, epsilon, classes, means_epsilon=None, head_displacement=None):
+    """The README path's two releases, ``DPClassMeans`` calibrated so that the three
+    compose to ``means_epsilon`` (default half of ``epsilon``), then the trained head
+    (``la_weights``) started from the class means' logits, its noise calibrated so
+    that all four compose to ``epsilon``."""
+    from keras_dp_lm.data import DPClassMeans
+    from keras_dp_lm.data import DPClassPriors
+    from keras_dp_lm.data import DPFeatureNormalization
+
+    x, y, *users = splits["train"]
+    user_ids = users[0] if users else None  # a user-level task: the unit is a user
+    normalization = DPFeatureNormalization()
+    normalization.adapt(x, user_ids=user_ids)
+    priors = DPClassPriors(num_classes=classes)
+    priors.release(y, user_ids=user_ids)
+    means = DPClassMeans.for_budget(
+        classes, epsilon / 2 if means_epsilon is None else means_epsilon,
+        utility_suite.DELTA, extra_events=[normalization.dp_event(), priors.dp_event()])
+    means.adapt(np.asarray(normalization(x)), y, user_ids=user_ids)
+    return {**imbalanced.dp_head_priors(splits, epsilon, 1.0, True, classes=classes,
+                                        normalization=normalization, priors=priors,
+                                        initial_head=means,
+                                        head_displacement=head_displacement),
+            "means_noise_multiplier": means.noise_multiplier}
+
+
 # The rows: name -> (splits, epsilon, classes) -> one DP run's scores.
 DP_ROWS = {"la_weights": lambda splits, eps, classes: imbalanced.dp_head_priors(
                splits, eps, 1.0, True, classes=classes),
            "la_weights_d4": lambda splits, eps, classes: imbalanced.dp_head_priors(
                splits, eps, 1.0, True, classes=classes, head_displacement=4.0),
            "class_means": class_means_head.dp_class_means,
+           "warm_means": dp_warm_means,
            "rule": dp_rule,
            "rule_two_classes": lambda splits, eps, classes: dp_rule(
                splits, eps, classes, picks_class_means_two_classes)}

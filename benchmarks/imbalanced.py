@@ -106,13 +106,14 @@ def load_unbalanced(name, data_dir):
 
 
 def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalization=None,
-                   priors=None, head_displacement=None, epochs=None):
+                   priors=None, head_displacement=None, epochs=None, initial_head=None):
     """The README path plus ``DPClassPriors`` (released once, composed into the
     recipe's total with the mean's release) and the logit-adjusted loss; the test
     predictions use the raw logits. ``normalization`` / ``priors``: releases already
     made on the training split (used as they are, not released again);
     ``head_displacement``, ``epochs``: the recipe's (``None``: the default, and the
-    suite's ``DP_EPOCHS``)."""
+    suite's ``DP_EPOCHS``); ``initial_head``: a released ``DPClassMeans`` whose
+    logits start the trained head (composed into the total), else zeros."""
     import keras
 
     from keras_dp_lm.data import DPClassPriors
@@ -132,10 +133,15 @@ def dp_head_priors(splits, epsilon, tau, class_weighting, classes=2, normalizati
     recipe = suggest_recipe(utility_suite._privacy_units(splits), epsilon, utility_suite.DELTA,
                             epochs=utility_suite.DP_EPOCHS if epochs is None else epochs,
                             num_parameters=(x.shape[1] + 1) * classes, trainable="head",
-                            extra_events=[normalization.dp_event(), priors.dp_event()],
+                            extra_events=[normalization.dp_event(), priors.dp_event(),
+                                          *([] if initial_head is None
+                                            else [initial_head.dp_event()])],
                             **displacement)
     model = keras.Sequential([keras.Input((x.shape[1],)), normalization,
                               utility_suite._probe(x.shape[1], classes)])
+    if initial_head is not None:  # the class means' logits on the normalised features
+        kernel, bias = (np.asarray(w) for w in (initial_head.kernel, initial_head.bias))
+        model.layers[-1].layers[-1].set_weights([kernel / initial_head.max_norm, bias])
     batches = (recipe.poisson_user_batches((x, y), user_ids, utility_suite.EXAMPLES_PER_USER)
                if users else recipe.poisson_batches((x, y)))
     optimizer = recipe.optimizer(utility_suite.DP_OPTIMIZER)

