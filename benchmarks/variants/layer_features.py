@@ -22,8 +22,8 @@ times MiniLM's size, on the same texts (the first
 
 ``--screen``: the noiseless class-means and oracle-discriminant ceilings of
 ``whitened_class_means.py`` on each variant (fast; no DP, no probe training).
-``--compare LAST_JSON VARIANT_JSON``: the DP screen's criterion numbers from two
-``head_rule.py`` row files (``benchmarks/results/layer_features.md``).
+``--compare BASE_JSON [BASE_JSON ...] VARIANT_JSON``: the DP screen's criterion numbers
+from ``head_rule.py`` row files (the base rows may come from several files) (``benchmarks/results/layer_features.md``).
 
     python benchmarks/variants/layer_features.py --data-dir data --sources fortunes_5f
     python benchmarks/variants/layer_features.py --data-dir data --encoder smollm2 \
@@ -169,17 +169,22 @@ def main(argv=None):
     parser.add_argument("--encoder", choices=tuple(ENCODERS), default="minilm")
     parser.add_argument("--screen", action="store_true")
     parser.add_argument("--tasks", nargs="*", default=[])
-    parser.add_argument("--compare", nargs=2, metavar=("LAST_JSON", "VARIANT_JSON"),
-                        help="print the DP screen's criterion numbers from two row files")
+    parser.add_argument("--compare", nargs="+", metavar="JSON",
+                        help="base row files, then the variant's: print the DP screen's "
+                             "criterion numbers")
     args = parser.parse_args(argv)
     if args.compare:
         import json
 
-        rows = [json.loads(Path(path).read_text()) for path in args.compare]
-        labels = tuple(Path(path).stem for path in args.compare)
+        if len(args.compare) < 2:
+            parser.error("--compare needs at least one base row file and the variant's")
+        *base, new = (json.loads(Path(path).read_text())
+                      for path in args.compare)
+        labels = ("+".join(Path(path).stem for path in args.compare[:-1]),
+                  Path(args.compare[-1]).stem)
         for variant in ("la_weights", "class_means"):
             print(f"{variant}:")
-            compare(*rows, variant, labels)
+            compare([row for rows in base for row in rows], new, variant, labels)
         return
     build(args.data_dir, args.sources, args.encoder)
     if args.screen:
