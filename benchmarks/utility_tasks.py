@@ -94,6 +94,15 @@ only with it (no choice was made on them):
   Winter's Tale, Coriolanus, The Comedy of Errors or Henry VI part 2 (speaker tags
   kept), a seeded 1,200-example train subset. ``fortunes_4g``: four ``fortunes`` files
   no task used (ethnic, tao, medicine, paradoxum; 392 quotations), every training one.
+* Seventh held-out round (``SEVENTH_ROUND_TASKS``; defined after
+  ``benchmarks/results/smollm2_features.md``'s procedure and before any model ran on
+  them; texts no task used as classes, ``text_records`` (200 / 40), 70/15/15 seeded
+  split): ``kjv_history_1000``: Joshua, Judges, Samuel (1-2) or Kings (1-2), a seeded
+  1,000-example train subset. ``kjv_wisdom_800``: Job, Psalms, Proverbs, or Ecclesiastes
+  with the Song of Solomon (about 7% of the records: a rare class), a seeded
+  800-example train subset. ``shakespeare_play_h_1200``: Measure for Measure, Troilus
+  and Cressida, Henry VIII or Love's Labour's Lost (speaker tags kept), a seeded
+  1,200-example train subset.
 
     python benchmarks/utility_tasks.py --data-dir data     # compute the cache
 """
@@ -154,6 +163,11 @@ PLAYS_G = ("winters_tale", "coriolanus", "comedy_of_errors", "henry_vi_part_2")
 FORTUNE_TOPICS_G = ("ethnic", "tao", "medicine", "paradoxum")
 SIXTH_ROUND_TASKS = ("kjv_pentateuch_800", "kjv_prophets_1000", "kjv_epistles",
                      "shakespeare_play_g_1200", "fortunes_4g")
+# Seventh held-out round (benchmarks/results/smollm2_features.md).
+KJV_HISTORY = (("joshua",), ("judges",), ("1_samuel", "2_samuel"), ("1_kings", "2_kings"))
+KJV_WISDOM = (("job",), ("psalms",), ("proverbs",), ("ecclesiastes", "song_of_solomon"))
+PLAYS_H = ("measure_for_measure", "troilus_and_cressida", "henry_viii", "loves_labours_lost")
+SEVENTH_ROUND_TASKS = ("kjv_history_1000", "kjv_wisdom_800", "shakespeare_play_h_1200")
 FIFTH_ROUND_TASKS = ("fortunes_5f", "fortunes_5f_unit_norm", "kjv_gospel", "milton_work_600",
                      "shakespeare_play_1500")
 # Each fifth-round task's public stand-in for the suite's proxy row: an earlier task
@@ -168,13 +182,12 @@ TUNING_TASKS = ("rotten_tomatoes", "rotten_tomatoes_3000", "fortunes_6", "fortun
 HELD_OUT_TASKS = ("fortunes_5b", "shakespeare_genre_2000", "fortunes_4c",
                   "shakespeare_history_2000", "fortunes_4d", "fortunes_5e", "folio_genre",
                   "folio_genre_speaker") + FOURTH_ROUND_TASKS + FIFTH_ROUND_TASKS \
-    + SIXTH_ROUND_TASKS
+    + SIXTH_ROUND_TASKS + SEVENTH_ROUND_TASKS
 TASKS = TUNING_TASKS + HELD_OUT_TASKS
 # The sixteen tasks of the first four rounds: the development tasks of the procedure's
-# revision (``utility_suite.py --tasks`` defaults to every task, the fifth and sixth
-# rounds too).
-DEVELOPMENT_TASKS = tuple(t for t in TASKS
-                          if t not in FIFTH_ROUND_TASKS + SIXTH_ROUND_TASKS)
+# revision (``utility_suite.py --tasks`` defaults to every task, the later rounds too).
+DEVELOPMENT_TASKS = tuple(t for t in TASKS if t not in FIFTH_ROUND_TASKS + SIXTH_ROUND_TASKS
+                          + SEVENTH_ROUND_TASKS)
 # Tasks whose privacy unit is a user (the ``<split>_u`` arrays of the cache).
 USER_LEVEL_TASKS = ("folio_genre_speaker",)
 # task -> (feature source, seeded train subset size or None)
@@ -200,7 +213,10 @@ _SOURCES = {"rotten_tomatoes": ("rotten_tomatoes", None),
             "kjv_prophets_1000": ("kjv_prophets", 1000),
             "kjv_epistles": ("kjv_epistles", None),
             "shakespeare_play_g_1200": ("shakespeare_play_g", 1200),
-            "fortunes_4g": ("fortunes_4g", None)}
+            "fortunes_4g": ("fortunes_4g", None),
+            "kjv_history_1000": ("kjv_history", 1000),
+            "kjv_wisdom_800": ("kjv_wisdom", 800),
+            "shakespeare_play_h_1200": ("shakespeare_play_h", 1200)}
 # task -> the label of each of its source's classes (a coarser task on the same features)
 _LABEL_MAPS = {"kjv_testament_2000": KJV_TESTAMENTS}
 SEQUENCE_LENGTH = 64
@@ -387,7 +403,10 @@ def source_loaders():
         "kjv_prophets": lambda d: _kjv_book_texts(d, KJV_PROPHETS),
         "kjv_epistles": lambda d: _kjv_book_texts(d, KJV_EPISTLES),
         "shakespeare_play_g": lambda d: _shakespeare_texts(d, tuple((p,) for p in PLAYS_G)),
-        "fortunes_4g": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_G)}
+        "fortunes_4g": lambda d: _fortunes_texts(d, FORTUNE_TOPICS_G),
+        "kjv_history": lambda d: _kjv_book_texts(d, KJV_HISTORY),
+        "kjv_wisdom": lambda d: _kjv_book_texts(d, KJV_WISDOM),
+        "shakespeare_play_h": lambda d: _shakespeare_texts(d, tuple((p,) for p in PLAYS_H))}
 
 
 def build_cache(data_dir, sources=None):
