@@ -116,9 +116,9 @@ def picks_class_means_two_classes(priors):
     return priors.num_classes == 2 and float(np.min(priors.priors)) < TWO_CLASS_RARE_PRIOR
 
 
-def dp_rule(splits, epsilon, classes, picks=picks_class_means):
-    """The two releases once, the rule ``picks``, then the head it picks (total:
-    ``epsilon``)."""
+def readme_releases(splits, classes):
+    """The README path's two releases on the training split: ``(DPFeatureNormalization,
+    DPClassPriors)``, each adapted once (the unit is a user on a user-level task)."""
     from keras_dp_lm.data import DPClassPriors
     from keras_dp_lm.data import DPFeatureNormalization
 
@@ -128,6 +128,13 @@ def dp_rule(splits, epsilon, classes, picks=picks_class_means):
     normalization.adapt(x, user_ids=user_ids)
     priors = DPClassPriors(num_classes=classes)
     priors.release(y, user_ids=user_ids)
+    return normalization, priors
+
+
+def dp_rule(splits, epsilon, classes, picks=picks_class_means):
+    """The two releases once, the rule ``picks``, then the head it picks (total:
+    ``epsilon``)."""
+    normalization, priors = readme_releases(splits, classes)
     released_share = float(np.min(priors.priors)) * classes
     if picks(priors):
         result = class_means_head.dp_class_means(splits, epsilon, classes, normalization,
@@ -146,19 +153,13 @@ def dp_warm_means(splits, epsilon, classes, means_epsilon=None, head_displacemen
     (``la_weights``) started from the class means' logits, its noise calibrated so
     that all four compose to ``epsilon``."""
     from keras_dp_lm.data import DPClassMeans
-    from keras_dp_lm.data import DPClassPriors
-    from keras_dp_lm.data import DPFeatureNormalization
 
     x, y, *users = splits["train"]
-    user_ids = users[0] if users else None  # a user-level task: the unit is a user
-    normalization = DPFeatureNormalization()
-    normalization.adapt(x, user_ids=user_ids)
-    priors = DPClassPriors(num_classes=classes)
-    priors.release(y, user_ids=user_ids)
+    normalization, priors = readme_releases(splits, classes)
     means = DPClassMeans.for_budget(
         classes, epsilon / 2 if means_epsilon is None else means_epsilon,
         utility_suite.DELTA, extra_events=[normalization.dp_event(), priors.dp_event()])
-    means.adapt(np.asarray(normalization(x)), y, user_ids=user_ids)
+    means.adapt(np.asarray(normalization(x)), y, user_ids=users[0] if users else None)
     return {**imbalanced.dp_head_priors(splits, epsilon, 1.0, True, classes=classes,
                                         normalization=normalization, priors=priors,
                                         initial_head=means,
