@@ -144,8 +144,9 @@ def test_a_heads_explain_says_what_its_examples_per_class_lead_to_expect():
     small = suggest_recipe(1_000, **kwargs, num_classes=4)  # 250 per class
     large = suggest_recipe(1_600, **kwargs, num_classes=4)  # 400 per class
     assert "data regime: small, 250 privacy units per class" in small.explain()
-    assert "more than 3 below on 11" in small.explain()
-    assert "132-220" in small.explain()      # the sixth held-out round, quoted too
+    assert "more than 3 below on 13" in small.explain()
+    assert "132-220" in small.explain()      # the sixth and seventh held-out rounds
+    assert "four of the eight newest" in small.explain()
     assert "suggest_head" in large.explain()
     assert "data regime: 400 privacy units per class" in large.explain()
     assert "data regime: small" not in large.explain()

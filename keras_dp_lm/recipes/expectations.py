@@ -43,11 +43,12 @@ def data_regime(n: int, num_classes: int) -> str:
                 "within 3 points of the best non-private head's balanced accuracy on 9, "
                 "and at most 5.1 below (a class of 311 among five)" + rare)
     return (f"data regime: small, {per_class:.0f} privacy units per class (N / num_classes), "
-            f"under {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 15 such tasks "
+            f"under {SMALL_DATA_UNITS_PER_CLASS}: on the utility suite's 18 such tasks "
             "(frozen MiniLM features) the README's trained head at epsilon 3 ended 0.2 "
             "above to 17.1 points below the best non-private head's balanced accuracy, "
-            "more than 3 below on 11 (at epsilon 8 on 6: by 5.0-6.6 on three with a class "
-            "of 50-61 examples among four or five, by 3.1-4.2 on three of the five newest, "
+            "more than 3 below on 13 (at epsilon 8 on 7: by 5.0-6.6 on three with a class "
+            "of 50-61 examples among four or five, by 3.1-4.2 on four of the eight newest, "
             "held out, with 132-220 among four or five), about what a non-private head "
             "loses on a quarter to half of the data; more examples per class or a larger "
-            "epsilon close it (benchmarks/results/head_rule.md, layer_features.md)" + rare)
+            "epsilon close it (benchmarks/results/head_rule.md, layer_features.md, "
+            "smollm2_features.md)" + rare)
