@@ -12,7 +12,11 @@ on a task, each against the non-private probe picked on validation balanced accu
 * ``class-means``: ``class_means_head.dp_class_means`` (the class-means head with the
   normalization's release, total ``epsilon``) over 8 repeats;
 * ``ceiling``: the same class-means head with a negligible noise (1e-9): what class means
-  reach without privacy.
+  reach without privacy;
+* ``learning-curve``: the same non-private probe (picked on validation balanced accuracy)
+  trained on a seeded class-stratified quarter and half of the training split (2 draws
+  each): what the task's learning curve gives back between them and all of it, to read
+  against the DP rows (which fraction of the data a DP head is worth).
 
     python benchmarks/variants/head_ceilings.py --data-dir data --mode grid \\
         --task milton_work_600 --epsilon 8
@@ -64,10 +68,26 @@ def noiseless_class_means(splits, classes):
     return _balanced([np.mean(predicted[yt == c] == c) for c in range(classes)])
 
 
+LEARNING_CURVE_FRACTIONS = (0.25, 0.5)
+LEARNING_CURVE_DRAWS = 2
+
+
+def stratified_fraction(splits, fraction, seed):
+    """``splits`` with a seeded ``fraction`` of each class's training examples (at least
+    one per class); validation and test unchanged."""
+    x, y = splits["train"][:2]
+    rng = np.random.default_rng(seed)
+    keep = np.concatenate([
+        rng.choice(np.flatnonzero(y == c), max(1, round(fraction * np.sum(y == c))),
+                   replace=False) for c in np.unique(y)])
+    return {**splits, "train": (x[keep], y[keep])}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default="data")
-    parser.add_argument("--mode", choices=("grid", "class-means", "ceiling"), required=True)
+    parser.add_argument("--mode", choices=("grid", "class-means", "ceiling", "learning-curve"),
+                        required=True)
     parser.add_argument("--task", required=True)
     parser.add_argument("--epsilon", type=float, default=8.0)
     args = parser.parse_args(argv)
@@ -78,6 +98,13 @@ def main(argv=None):
         score = noiseless_class_means(splits, classes)
         print(f"{name} probe {probe:.1f} noiseless class means {score:.1f} "
               f"({score - probe:+.1f})")
+    elif args.mode == "learning-curve":
+        cells = {f: [_balanced(balanced_heads.non_private_balanced_best(
+            stratified_fraction(splits, f, seed), classes)["test_recall"])
+            for seed in range(LEARNING_CURVE_DRAWS)] for f in LEARNING_CURVE_FRACTIONS}
+        print(f"{name} probe {probe:.1f} " + " ".join(
+            f"{f:g}: {np.mean(v):.1f} ({np.mean(v) - probe:+.1f})" for f, v in cells.items()),
+            flush=True)
     elif args.mode == "class-means":
         scores = [_balanced(class_means_head.dp_class_means(
             splits, args.epsilon, classes)["test_recall"]) for _ in range(8)]
