@@ -147,6 +147,7 @@ def test_a_heads_explain_says_what_its_examples_per_class_lead_to_expect():
     assert "more than 3 below on 13" in small.explain()
     assert "132-220" in small.explain()      # the sixth and seventh held-out rounds
     assert "four of the eight newest" in small.explain()
+    assert "worth about half the training data" in small.explain()
     assert "suggest_head" in large.explain()
     assert "data regime: 400 privacy units per class" in large.explain()
     assert "data regime: small" not in large.explain()

@@ -48,7 +48,9 @@ def data_regime(n: int, num_classes: int) -> str:
             "above to 17.1 points below the best non-private head's balanced accuracy, "
             "more than 3 below on 13 (at epsilon 8 on 7: by 5.0-6.6 on three with a class "
             "of 50-61 examples among four or five, by 3.1-4.2 on four of the eight newest, "
-            "held out, with 132-220 among four or five), about what a non-private head "
-            "loses on a quarter to half of the data; more examples per class or a larger "
-            "epsilon close it (benchmarks/results/head_rule.md, layer_features.md, "
-            "smollm2_features.md)" + rare)
+            "held out, with 132-220 among four or five): on 13 of them the head at "
+            "epsilon 8 was worth about half the training data to a non-private head, at "
+            "epsilon 3 about a quarter, so it misses where the learning curve still climbs "
+            "more than 3 points from half the data to all; more examples per class or a "
+            "larger epsilon close it (benchmarks/results/head_rule.md, layer_features.md, "
+            "smollm2_features.md, head_ceilings.md)" + rare)
